@@ -1,0 +1,1 @@
+"""Ready-made flowlang programs (the shared workloads W1-W6)."""

@@ -1,0 +1,1 @@
+"""KV slot allocator, radix tree and eviction policies."""

@@ -1,0 +1,161 @@
+"""Eviction policies (the order among evictable leaves) and the incremental candidate queue."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from runtime.cache.radix import TreeNode
+
+
+class EvictionPolicy(ABC):
+    """Orders eviction candidates: the leaf with the smallest `priority(node)` goes first.
+
+    A policy reads node fields only (last_access_time, creation_time, hit_count, priority, or
+    state it keeps itself). When a key changes while the node is a candidate, the cache must be
+    told (`RadixCache.reprioritize(node)`), so the queue can re-order it.
+    """
+
+    name: str
+
+    @abstractmethod
+    def priority(self, node: TreeNode) -> Any:
+        """Sort key; smaller is evicted first. Ties go to the node that became a candidate first."""
+
+
+class LRUPolicy(EvictionPolicy):
+    name = "lru"
+
+    def priority(self, node: TreeNode) -> Any:
+        return node.last_access_time
+
+
+class MRUPolicy(EvictionPolicy):
+    name = "mru"
+
+    def priority(self, node: TreeNode) -> Any:
+        return -node.last_access_time
+
+
+class FIFOPolicy(EvictionPolicy):
+    name = "fifo"
+
+    def priority(self, node: TreeNode) -> Any:
+        return node.creation_time
+
+
+class FILOPolicy(EvictionPolicy):
+    name = "filo"
+
+    def priority(self, node: TreeNode) -> Any:
+        return -node.creation_time
+
+
+class LFUPolicy(EvictionPolicy):
+    name = "lfu"
+
+    def priority(self, node: TreeNode) -> Any:
+        return (node.hit_count, node.last_access_time)
+
+
+class PriorityPolicy(EvictionPolicy):
+    """Lower per-insert priority first, then least recently used."""
+
+    name = "priority"
+
+    def priority(self, node: TreeNode) -> Any:
+        return (node.priority, node.last_access_time)
+
+
+class SLRUPolicy(EvictionPolicy):
+    """Segmented LRU: nodes hit fewer than `protected_hits` times go first, LRU inside a segment."""
+
+    name = "slru"
+
+    def __init__(self, protected_hits: int = 2) -> None:
+        self.protected_hits = protected_hits
+
+    def priority(self, node: TreeNode) -> Any:
+        return (node.hit_count >= self.protected_hits, node.last_access_time)
+
+
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
+    cls.name: cls
+    for cls in (LRUPolicy, LFUPolicy, FIFOPolicy, MRUPolicy, FILOPolicy, PriorityPolicy, SLRUPolicy)
+}
+
+
+def make_eviction_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
+    """A policy instance from its name (or the instance itself)."""
+    if isinstance(policy, EvictionPolicy):
+        return policy
+    try:
+        return EVICTION_POLICIES[policy]()
+    except KeyError:
+        raise ValueError(
+            f"unknown eviction policy {policy!r}; choose one of {sorted(EVICTION_POLICIES)}"
+        ) from None
+
+
+class CandidateQueue:
+    """The evictable leaves in policy order, kept incrementally (a heap with lazy deletion).
+
+    add / discard / pop cost O(log L) amortized for L candidates; stale heap entries are
+    skipped on pop and the heap is compacted when they outnumber live ones.
+    """
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self.policy = policy
+        self._heap: list[tuple[Any, int, TreeNode]] = []
+        self._seq = itertools.count()
+        self._num_live = 0
+
+    def __len__(self) -> int:
+        return self._num_live
+
+    def __contains__(self, node: TreeNode) -> bool:
+        return node.candidate_seq is not None
+
+    def add(self, node: TreeNode) -> None:
+        """Make `node` a candidate, or re-order it if its key changed."""
+        if node.candidate_seq is None:
+            self._num_live += 1
+        seq = next(self._seq)
+        node.candidate_seq = seq
+        heapq.heappush(self._heap, (self.policy.priority(node), seq, node))
+        if len(self._heap) > 2 * self._num_live + 64:
+            self._compact()
+
+    def discard(self, node: TreeNode) -> None:
+        """Remove `node` from the candidates (no-op if it is not one)."""
+        if node.candidate_seq is not None:
+            node.candidate_seq = None
+            self._num_live -= 1
+
+    def pop(self) -> TreeNode | None:
+        """Remove and return the first candidate in policy order, or None when empty."""
+        heap = self._heap
+        while heap:
+            _, seq, node = heapq.heappop(heap)
+            if node.candidate_seq == seq:
+                node.candidate_seq = None
+                self._num_live -= 1
+                return node
+        return None
+
+    def nodes(self) -> list[TreeNode]:
+        """The live candidates (any order)."""
+        return [node for _, seq, node in self._heap if node.candidate_seq == seq]
+
+    def clear(self) -> None:
+        for node in self.nodes():
+            node.candidate_seq = None
+        self._heap = []
+        self._num_live = 0
+
+    def _compact(self) -> None:
+        self._heap = [entry for entry in self._heap if entry[2].candidate_seq == entry[1]]
+        heapq.heapify(self._heap)

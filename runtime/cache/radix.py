@@ -1,0 +1,513 @@
+"""Radix tree over token ids whose nodes hold KV slot indices (never KV bytes).
+
+Semantics follow SGLang's RadixCache (node = maximal run shared by the same requests, lock_ref
+along root paths, leaf-first eviction), with three differences:
+- `match_prefix` is pure: a match ending inside an edge returns a `TreePosition` and splits
+  nothing; `lock` (or `insert`) splits only when it must.
+- Eviction candidates (unlocked leaves) are kept in policy order incrementally, so `evict` costs
+  O(k log L) for k victims among L leaves instead of re-heapifying every leaf per call.
+- Recency and hit counts come from `lock`/`unlock`/`insert` (real uses) on a logical clock, so
+  scoring a match for scheduling does not count as a use and orders are deterministic.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import TextIO
+
+import torch
+
+from runtime.cache.allocator import SlotAllocator
+from runtime.cache.eviction import CandidateQueue, EvictionPolicy, make_eviction_policy
+
+Namespace = Hashable  # cache salt / adapter id; None is the default namespace
+
+
+class RadixCacheError(RuntimeError):
+    """Misuse of the tree's locking protocol; the tree is unchanged."""
+
+
+class StalePositionError(RadixCacheError):
+    """A TreePosition whose tokens were evicted before it was locked."""
+
+
+class TreeNode:
+    """One edge: `key` tokens and their `value` slot indices, ending `depth` tokens deep."""
+
+    __slots__ = (
+        "key",
+        "value",
+        "children",
+        "parent",
+        "depth",
+        "lock_ref",
+        "last_access_time",
+        "creation_time",
+        "hit_count",
+        "priority",
+        "candidate_seq",
+        "evicted",
+    )
+
+    def __init__(
+        self,
+        key: tuple[int, ...],
+        value: torch.Tensor,
+        parent: TreeNode | None,
+        depth: int,
+        now: int,
+        priority: int = 0,
+    ) -> None:
+        self.key = key
+        self.value = value  # (len(key),) int64 slot indices
+        self.children: dict[Hashable, TreeNode] = {}
+        self.parent = parent
+        self.depth = depth  # tokens from the root to the end of this edge
+        self.lock_ref = 0
+        self.last_access_time = now
+        self.creation_time = now
+        self.hit_count = 1
+        self.priority = priority
+        self.candidate_seq: int | None = None  # set while in the eviction candidate queue
+        self.evicted = False
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def __repr__(self) -> str:
+        head = ",".join(map(str, self.key[:6])) + ("..." if len(self.key) > 6 else "")
+        return f"TreeNode(len={len(self.key)}, key=[{head}], depth={self.depth}, r={self.lock_ref})"
+
+
+@dataclass(frozen=True, slots=True)
+class TreePosition:
+    """A point in the tree: the first `prefix_len` tokens down the path through `node`.
+
+    The point may lie inside `node`'s edge. Positions survive later splits (they are re-resolved
+    on use); they go stale only when their tokens are evicted.
+    """
+
+    node: TreeNode
+    prefix_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    indices: torch.Tensor  # (prefix_len,) int64 slot indices of the matched prefix
+    last_node: TreePosition
+    prefix_len: int
+
+
+class RadixCache:
+    """Prefix cache of KV slot indices keyed by token ids, with locks and leaf-first eviction.
+
+    >>> cache = RadixCache(SlotAllocator(num_slots=64))
+    >>> slots = cache.allocator.alloc(3)
+    >>> cache.insert([1, 2, 3], slots)
+    0
+    >>> cache.match_prefix([1, 2, 9]).prefix_len
+    2
+    """
+
+    def __init__(
+        self,
+        allocator: SlotAllocator,
+        page_size: int = 1,
+        eviction_policy: str | EvictionPolicy = "lru",
+    ) -> None:
+        if page_size != allocator.page_size:
+            raise ValueError(
+                f"page_size={page_size} differs from the allocator's {allocator.page_size}"
+            )
+        self.allocator = allocator
+        self.page_size = page_size
+        self.policy = make_eviction_policy(eviction_policy)
+        self.reset_counters()
+        self._init_tree()
+
+    # ---------------------------------------------------------------- sizes
+    @property
+    def total_size(self) -> int:
+        """Tokens held by the tree."""
+        return self.evictable_size + self.protected_size
+
+    @property
+    def num_candidates(self) -> int:
+        """Unlocked leaves, i.e. nodes evict() may take next."""
+        return len(self._candidates)
+
+    def namespaces(self) -> list[Namespace]:
+        return list(self._roots)
+
+    # ---------------------------------------------------------------- reads
+    def match_prefix(self, token_ids: Sequence[int], namespace: Namespace = None) -> MatchResult:
+        """Longest cached prefix of `token_ids` (whole pages). Pure: mutates nothing."""
+        key = _as_key(token_ids)
+        key = key[: len(key) // self.page_size * self.page_size]
+        root = self._roots.get(namespace)
+        if root is None:
+            return MatchResult(_EMPTY, TreePosition(self._roots[None], 0), 0)
+        node, pos, values = root, 0, []
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            matched = self._edge_match_len(child.key, key, pos)
+            values.append(child.value if matched == len(child.key) else child.value[:matched])
+            pos += matched
+            node = child
+            if matched < len(child.key):
+                break
+        indices = values[0] if len(values) == 1 else (torch.cat(values) if values else _EMPTY)
+        return MatchResult(indices, TreePosition(node, pos), pos)
+
+    # ---------------------------------------------------------------- writes
+    def insert(
+        self,
+        token_ids: Sequence[int],
+        indices: torch.Tensor,
+        namespace: Namespace = None,
+        priority: int = 0,
+    ) -> int:
+        """Cache `token_ids` -> `indices` (whole pages only); return the prefix already cached.
+
+        The tree takes ownership of `indices[prefix_len:aligned_len]`. The caller keeps the rest:
+        it frees its own slots below `prefix_len` that differ from the tree's (duplicates) and
+        any unaligned tail.
+        """
+        key = _as_key(token_ids)
+        if indices.numel() != len(key):
+            raise ValueError(f"insert got {len(key)} tokens but {indices.numel()} slot indices")
+        aligned_len = len(key) // self.page_size * self.page_size
+        key = key[:aligned_len]
+        now = self._tick()
+        node = self._roots.get(namespace)
+        if node is None:
+            node = self._roots[namespace] = self._new_root()
+        pos = 0
+        while pos < aligned_len:
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            matched = self._edge_match_len(child.key, key, pos)
+            if matched < len(child.key) and pos + matched < aligned_len:
+                child = self._split(child, matched)
+            child.last_access_time = now
+            child.priority = max(child.priority, priority)
+            if child.candidate_seq is not None:
+                self._candidates.add(child)  # its key changed: re-order
+            pos += matched
+            node = child
+            if matched < len(child.key):
+                break  # key ends inside this edge: already cached, nothing to split
+        if pos < aligned_len:
+            new_indices = indices[pos:aligned_len].to(torch.int64).clone()
+            self._check_new_slots(new_indices)
+            leaf = TreeNode(key[pos:], new_indices, node, aligned_len, now, priority)
+            node.children[self._child_key(key, pos)] = leaf
+            self._candidates.discard(node)
+            self._candidates.add(leaf)
+            self._slot_in_tree[new_indices] = True
+            self.evictable_size += aligned_len - pos
+            self.num_nodes += 1
+        return pos
+
+    def lock(self, where: TreePosition | TreeNode) -> int:
+        """Lock the prefix up to `where` (splitting its edge there if needed).
+
+        Returns the change in evictable_size (<= 0); the tokens move to protected_size.
+        """
+        node = self._node_at(where, split=True)
+        now = self._tick()
+        delta = 0
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                delta -= len(node.key)
+                self._candidates.discard(node)
+            node.lock_ref += 1
+            node.hit_count += 1
+            node.last_access_time = now
+            node = node.parent
+        self.evictable_size += delta
+        self.protected_size -= delta
+        return delta
+
+    def unlock(self, where: TreePosition | TreeNode) -> int:
+        """Undo one lock(where). Returns the change in evictable_size (>= 0)."""
+        node = self._node_at(where, split=False)
+        if node.parent is not None and node.lock_ref == 0:
+            raise RadixCacheError(f"unlock of a prefix that is not locked: {node!r}")
+        now = self._tick()
+        delta = 0
+        while node.parent is not None:
+            node.lock_ref -= 1
+            node.last_access_time = now
+            if node.lock_ref == 0:
+                delta += len(node.key)
+                if not node.children:
+                    self._candidates.add(node)
+            node = node.parent
+        self.evictable_size += delta
+        self.protected_size -= delta
+        return delta
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` slots from unlocked leaves, leaf-first; return how many."""
+        victims: list[TreeNode] = []
+        num_evicted = 0
+        while num_evicted < num_tokens:
+            node = self._candidates.pop()
+            if node is None:
+                break
+            victims.append(node)
+            num_evicted += len(node.key)
+            parent = self._unlink_leaf(node)
+            if parent is not None:
+                self._candidates.add(parent)  # a dead branch cascades within this call
+        self._release(victims)
+        return num_evicted
+
+    def reprioritize(self, node: TreeNode) -> None:
+        """Re-order `node` among the candidates after its policy key changed."""
+        if node.candidate_seq is not None:
+            self._candidates.add(node)
+
+    def reset(self) -> None:
+        """Drop every cached token and return its slots; fails if any prefix is locked."""
+        locked = [n for n in self._iter_nodes() if n.lock_ref > 0]
+        if locked:
+            raise RadixCacheError(f"reset() with {len(locked)} locked nodes, e.g. {locked[0]!r}")
+        slots = [n.value for n in self._iter_nodes()]
+        if slots:
+            self.allocator.free(torch.cat(slots))
+        for node in self._iter_nodes():
+            node.evicted = True
+        self._candidates.clear()
+        self._init_tree()
+
+    def reset_counters(self) -> None:
+        self.num_evicted_tokens = 0
+
+    # ---------------------------------------------------------------- checks
+    def check_integrity(self, num_caller_slots: int | None = None) -> None:
+        """Assert every structural invariant; with `num_caller_slots`, also slot conservation."""
+        ps = self.page_size
+        evictable = protected = num_nodes = 0
+        candidates: set[int] = set()
+        slot_chunks: list[torch.Tensor] = []
+        for root in self._roots.values():
+            assert root.lock_ref == 1 and root.depth == 0 and not root.key, "bad root"
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                child_locks = 0
+                for ck, child in node.children.items():
+                    assert not child.evicted, f"evicted node still linked: {child!r}"
+                    assert child.parent is node, f"broken parent link at {child!r}"
+                    assert ck == self._child_key(child.key, 0), f"child keyed wrongly: {child!r}"
+                    assert len(child.key) > 0 and len(child.key) % ps == 0, f"ragged {child!r}"
+                    assert child.value.numel() == len(child.key), f"key/value sizes: {child!r}"
+                    assert child.depth == node.depth + len(child.key), f"bad depth: {child!r}"
+                    assert child.lock_ref >= 0, f"negative lock_ref: {child!r}"
+                    child_locks += child.lock_ref
+                    is_candidate = not child.children and child.lock_ref == 0
+                    assert (child.candidate_seq is not None) == is_candidate, (
+                        f"candidate set wrong at {child!r}"
+                    )
+                    if is_candidate:
+                        candidates.add(id(child))
+                    if child.lock_ref:
+                        protected += len(child.key)
+                    else:
+                        evictable += len(child.key)
+                    num_nodes += 1
+                    slot_chunks.append(child.value)
+                    stack.append(child)
+                if node.parent is not None:  # the root's lock is fixed; walks stop below it
+                    assert node.lock_ref >= child_locks, f"lock_ref below children's: {node!r}"
+        assert evictable == self.evictable_size, f"{evictable=} != {self.evictable_size=}"
+        assert protected == self.protected_size, f"{protected=} != {self.protected_size=}"
+        assert num_nodes == self.num_nodes, f"{num_nodes=} != {self.num_nodes=}"
+        assert {id(n) for n in self._candidates.nodes()} == candidates, "candidate queue drifted"
+        slots = torch.cat(slot_chunks) if slot_chunks else _EMPTY
+        assert torch.unique(slots).numel() == slots.numel(), "a slot is owned by two nodes"
+        assert int(self._slot_in_tree.sum()) == slots.numel(), "slot ownership mask drifted"
+        assert bool(self._slot_in_tree[slots].all()), "slot ownership mask drifted"
+        assert self.allocator.all_allocated(slots), "the tree holds a free slot"
+        if ps > 1 and slots.numel():
+            rows = slots.view(-1, ps)
+            assert bool((rows[:, 0] % ps == 0).all()), "a node holds a partial page"
+            assert bool((rows - rows[:, :1] == torch.arange(ps)).all()), "a page out of order"
+        self.allocator.check_integrity()
+        if num_caller_slots is not None:
+            accounted = self.allocator.num_free_slots + self.total_size + num_caller_slots
+            assert accounted == self.allocator.num_slots, (
+                f"slots lost or double-owned: free {self.allocator.num_free_slots} + tree "
+                f"{self.total_size} + callers {num_caller_slots} != {self.allocator.num_slots}"
+            )
+
+    def pretty_print(self, file: TextIO | None = None, max_tokens: int = 10) -> str:
+        """Write the tree, one node a line: edge length, first tokens, lock_ref; return the text."""
+        lines = []
+        for namespace, root in self._roots.items():
+            lines.append(f"[namespace {namespace!r}] r={root.lock_ref}")
+            stack = [(child, 1) for child in reversed(list(root.children.values()))]
+            while stack:
+                node, level = stack.pop()
+                head = list(node.key[:max_tokens])
+                more = "..." if len(node.key) > max_tokens else ""
+                lines.append(f"{'  ' * level}len={len(node.key)} {head}{more} r={node.lock_ref}")
+                stack.extend((c, level + 1) for c in reversed(list(node.children.values())))
+        lines.append(
+            f"#tokens: {self.total_size} (evictable {self.evictable_size}, protected "
+            f"{self.protected_size}), #nodes: {self.num_nodes}"
+        )
+        text = "\n".join(lines)
+        print(text, file=file or sys.stdout)
+        return text
+
+    # ---------------------------------------------------------------- internals
+    def _init_tree(self) -> None:
+        self._clock = 0
+        self._roots: dict[Namespace, TreeNode] = {None: self._new_root()}
+        self._candidates = CandidateQueue(self.policy)
+        self._slot_in_tree = torch.zeros(self.allocator.num_slots, dtype=torch.bool)
+        self.evictable_size = 0
+        self.protected_size = 0
+        self.num_nodes = 0
+
+    def _new_root(self) -> TreeNode:
+        root = TreeNode((), _EMPTY, None, 0, self._clock)
+        root.lock_ref = 1  # permanently locked: lock/unlock walks stop here
+        return root
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _child_key(self, key: tuple[int, ...], pos: int) -> Hashable:
+        return key[pos] if self.page_size == 1 else key[pos : pos + self.page_size]
+
+    def _edge_match_len(self, edge: tuple[int, ...], key: tuple[int, ...], pos: int) -> int:
+        """Tokens of `edge` equal to key[pos:], rounded down to whole pages.
+
+        The common case (the whole edge matches) is one C-level tuple compare; otherwise gallop
+        in doubling windows, then bisect the window holding the first difference.
+        """
+        limit = min(len(edge), len(key) - pos)
+        if edge[:limit] == key[pos : pos + limit]:
+            same = limit
+        else:
+            lo, step = 0, 8
+            while True:
+                hi = min(lo + step, limit)
+                if edge[lo:hi] != key[pos + lo : pos + hi]:
+                    break
+                lo, step = hi, step * 2
+            while hi - lo > 1:  # edge[:lo] equal, edge[lo:hi] differs
+                mid = (lo + hi) // 2
+                if edge[lo:mid] == key[pos + lo : pos + mid]:
+                    lo = mid
+                else:
+                    hi = mid
+            same = lo
+        return same - same % self.page_size
+
+    def _node_at(self, where: TreePosition | TreeNode, split: bool) -> TreeNode:
+        """The node whose edge ends exactly at `where`, splitting an edge there if `split`."""
+        if isinstance(where, TreeNode):
+            node, prefix_len = where, where.depth
+        else:
+            node, prefix_len = where.node, where.prefix_len
+        while node.parent is not None and node.parent.depth >= prefix_len:
+            node = node.parent  # edges split since the position was taken
+        if node.evicted:
+            raise StalePositionError(f"the prefix at {node!r} was evicted after it was matched")
+        if prefix_len == node.depth:
+            return node
+        offset = prefix_len - (node.depth - len(node.key))
+        if not split:
+            raise RadixCacheError(f"no lock ends {offset} tokens into {node!r}")
+        return self._split(node, offset)
+
+    def _split(self, node: TreeNode, offset: int) -> TreeNode:
+        """Cut `node`'s edge after `offset` tokens; the new upper node is returned.
+
+        The lower part keeps its identity (and so every TreePosition into it stays resolvable);
+        the upper part inherits lock_ref, so locked paths stay consistent. Only index tensors
+        are copied, never KV.
+        """
+        parent = node.parent
+        upper = TreeNode(
+            node.key[:offset],
+            node.value[:offset].clone(),
+            parent,
+            node.depth - len(node.key) + offset,
+            node.last_access_time,
+            node.priority,
+        )
+        upper.creation_time = node.creation_time
+        upper.hit_count = node.hit_count
+        upper.lock_ref = node.lock_ref
+        parent.children[self._child_key(node.key, 0)] = upper
+        node.key = node.key[offset:]
+        node.value = node.value[offset:].clone()
+        node.parent = upper
+        upper.children[self._child_key(node.key, 0)] = node
+        self.num_nodes += 1
+        return upper
+
+    def _unlink_leaf(self, node: TreeNode) -> TreeNode | None:
+        """Detach an evicted leaf; return its parent if that became an unlocked leaf."""
+        parent = node.parent
+        del parent.children[self._child_key(node.key, 0)]
+        node.evicted = True
+        self.num_nodes -= 1
+        self.evictable_size -= len(node.key)
+        if parent.parent is not None and not parent.children and parent.lock_ref == 0:
+            return parent
+        return None
+
+    def _release(self, victims: list[TreeNode]) -> None:
+        """Give evicted leaves' slots back to the allocator in one call."""
+        if not victims:
+            return
+        slots = victims[0].value if len(victims) == 1 else torch.cat([v.value for v in victims])
+        self._slot_in_tree[slots] = False
+        self.allocator.free(slots)
+        self.num_evicted_tokens += slots.numel()
+
+    def _check_new_slots(self, indices: torch.Tensor) -> None:
+        if not self.allocator.all_allocated(indices):
+            raise ValueError("insert got slot indices that are free or outside the pool")
+        if bool(self._slot_in_tree[indices].any()):
+            raise ValueError("insert got slot indices the tree already holds")
+        if self.page_size > 1:
+            rows = indices.view(-1, self.page_size)  # (num_pages, page_size)
+            first = rows[:, :1]
+            if not bool(((first % self.page_size == 0) & (rows - first == _arange(rows))).all()):
+                raise ValueError(f"insert needs whole pages of {self.page_size} slots in order")
+
+    def _iter_nodes(self):
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                yield node
+                stack.extend(node.children.values())
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def _arange(rows: torch.Tensor) -> torch.Tensor:
+    return torch.arange(rows.shape[1], dtype=torch.int64)
+
+
+def _as_key(token_ids: Sequence[int]) -> tuple[int, ...]:
+    if isinstance(token_ids, torch.Tensor):
+        return tuple(token_ids.tolist())
+    return token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
