@@ -1,0 +1,43 @@
+"""KV pool: per layer K and V tensors indexed by slot; the radix tree holds only slot indices."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """K and V for `num_slots` tokens in every layer.
+
+    >>> pool = KVPool(num_layers=2, num_slots=16, num_kv_heads=1, head_dim=4)
+    >>> pool.k[0].shape
+    torch.Size([16, 1, 4])
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_slots = num_slots
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        self._k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._v = torch.zeros(shape, dtype=dtype, device=self.device)
+        # per layer views: (num_slots, num_kv_heads, head_dim)
+        self.k = list(self._k.unbind(0))
+        self.v = list(self._v.unbind(0))
+
+    @property
+    def num_bytes(self) -> int:
+        return 2 * self._k.numel() * self._k.element_size()
+
+    def write(self, layer: int, slot_idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V rows (num_tokens, num_kv_heads, head_dim) at `slot_idx` (num_tokens,)."""
+        self.k[layer].index_copy_(0, slot_idx, k)
+        self.v[layer].index_copy_(0, slot_idx, v)

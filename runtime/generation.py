@@ -1,0 +1,128 @@
+"""Per-request output state: tokens, text, logprobs, stop conditions and sampler state."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.protocol import SamplingParams
+
+
+class GenerationState:
+    """What one request has generated so far and whether it is done.
+
+    `append(token_id)` applies the stop rules in order: EOS / stop token ids (after
+    min_new_tokens, unless ignore_eos), stop strings (cut exactly where they start, even inside
+    a token or across tokens), then max_new_tokens.
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        tokenizer: Any,
+        eos_token_ids: Sequence[int],
+        vocab_size: int,
+    ) -> None:
+        self.params = params
+        self.output_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+        self.matched_stop: int | str | None = None
+        self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        self.prompt_logprobs: list[float | None] = []
+        self._stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self._stop_ids.update(eos_token_ids)
+        self._max_stop_len = max((len(s) for s in params.stop), default=0)
+        self._streamed_len = 0
+        self._detok = (
+            IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+            if tokenizer is not None
+            else None
+        )
+        # sampler state
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.seen_mask: torch.Tensor | None = None  # (vocab,) bool: prompt + output tokens
+        self.output_counts: torch.Tensor | None = None  # (vocab,) counts of output tokens
+        if params.needs_penalties:
+            self.seen_mask = torch.zeros(vocab_size, dtype=torch.bool)
+            self.seen_mask[torch.as_tensor(list(prompt_ids), dtype=torch.int64)] = True
+            self.output_counts = torch.zeros(vocab_size, dtype=torch.float32)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    def append(
+        self,
+        token_id: int,
+        logprob: float | None = None,
+        top_logprobs: list[tuple[int, float]] | None = None,
+    ) -> None:
+        """Record one sampled token and apply the stop rules."""
+        if self.finished:
+            raise RuntimeError("append() after the generation finished")
+        params = self.params
+        self.output_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.output_top_logprobs.append(top_logprobs)
+        if self.output_counts is not None:
+            self.output_counts[token_id] += 1
+            self.seen_mask[token_id] = True
+        may_stop = len(self.output_ids) >= params.min_new_tokens
+        if may_stop and token_id in self._stop_ids:
+            self.finish("stop", matched=token_id)
+            return
+        if self._detok is not None:
+            self._add_text(self._detok.step(token_id))
+            if self.finished:
+                return
+        if len(self.output_ids) >= params.max_new_tokens:
+            self.finish("length")
+
+    def finish(self, reason: str, matched: int | str | None = None) -> None:
+        if self.finished:
+            return
+        self.finish_reason = reason
+        self.matched_stop = matched
+        if self._detok is not None and reason != "stop":
+            self._add_text(self._detok.flush(), final=True)
+
+    def stream_delta(self) -> str:
+        """New text safe to show: text that can no longer turn out to start a stop string."""
+        visible = (
+            len(self.text) if self.finished else len(self.text) - max(0, self._max_stop_len - 1)
+        )
+        if visible <= self._streamed_len:
+            return ""
+        delta = self.text[self._streamed_len : visible]
+        self._streamed_len = visible
+        return delta
+
+    def _add_text(self, delta: str, final: bool = False) -> None:
+        if not delta:
+            return
+        start = max(0, len(self.text) - self._max_stop_len + 1)
+        self.text += delta
+        if not self.params.stop or final:
+            return
+        hits = [(self.text.find(s, start), s) for s in self.params.stop]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        if hits and len(self.output_ids) >= self.params.min_new_tokens:
+            pos, stop = min(hits)
+            end = pos + len(stop) if self.params.include_stop_str_in_output else pos
+            self.text = self.text[:end]
+            self.finish("stop", matched=stop)

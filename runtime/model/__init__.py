@@ -1,0 +1,1 @@
+"""Model runner: architectures, weights, attention backends, sampling."""

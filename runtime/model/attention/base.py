@@ -1,0 +1,37 @@
+"""The attention backend contract."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from runtime.cache.pool import KVPool
+from runtime.model.batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    """Paged attention over the KV pool for one ForwardBatch at a time.
+
+    `plan(batch)` runs once per forward (index and mask building, kernel planning); then
+    `forward(layer, q, k, v)` runs per layer: it writes the new K/V rows into the pool at
+    `batch.out_slots` and returns attention over each sequence's full KV (cached prefix + new),
+    causal by position. It mutates the pool and nothing else.
+    """
+
+    name: str
+
+    def __init__(self, pool: KVPool, sliding_windows: tuple[int | None, ...]) -> None:
+        self.pool = pool
+        self.sliding_windows = sliding_windows
+
+    @abstractmethod
+    def plan(self, batch: ForwardBatch) -> None:
+        """Prepare per-batch metadata shared by every layer."""
+
+    @abstractmethod
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q (num_tokens, num_heads, head_dim), k/v (num_tokens, num_kv_heads, head_dim)
+        -> (num_tokens, num_heads * head_dim)."""

@@ -1,0 +1,111 @@
+"""Checkpoints: a Hugging Face folder (config.json, safetensors, tokenizer) or a GGUF file.
+
+transformers parses configs, tokenizers, chat templates and GGUF metadata; the `gguf` package
+dequantizes GGUF tensors (through transformers' GGUF reader, which also undoes llama.cpp's Q/K
+permutation). A GGUF file is best converted once to a folder (`convert_gguf`), which reloads in
+about a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class CheckpointError(ValueError):
+    """A checkpoint path that cannot be loaded; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    hf_config: Any  # transformers PretrainedConfig
+    weights: dict[str, torch.Tensor]
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Config and weights from a Hugging Face folder or a .gguf file."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        config, weights = _read_gguf(path)
+        return Checkpoint(path, config, weights)
+    return Checkpoint(path, load_config(path), _read_safetensors(path))
+
+
+def load_config(path: str | os.PathLike) -> Any:
+    """The transformers config of a folder or GGUF file."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return _gguf_config(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path} is not a model folder: no config.json")
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """The tokenizer (with its chat template) of a folder or GGUF file."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Dequantize a GGUF file into a folder: config.json, model.safetensors, tokenizer files."""
+    from safetensors.torch import save_file
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config, weights = _read_gguf(gguf_path)
+    if getattr(config, "tie_word_embeddings", False):
+        weights.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in weights.items()}, out_dir / "model.safetensors")
+    config.save_pretrained(out_dir)
+    load_tokenizer(gguf_path).save_pretrained(out_dir)
+    return out_dir
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder} has no *.safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        weights.update(load_file(folder / name))
+    return weights
+
+
+def _gguf_config(path: Path) -> Any:
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    parsed = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    parsed = {k: v for k, v in parsed.items() if not k.startswith("_")}
+    return AutoConfig.for_model(**parsed)
+
+
+def _read_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = _gguf_config(path)
+    with torch.device("meta"):  # only for the tensor-name map; allocates nothing
+        skeleton = AutoModelForCausalLM.from_config(config)
+    parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)
+    weights = {k: v.to(torch.float32) for k, v in parsed["tensors"].items()}
+    return config, weights

@@ -1,0 +1,106 @@
+"""Batched sampling where every row has its own parameters, seed and penalties.
+
+Order per row: penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> draw
+with the row's own generator (so a seeded request reproduces whatever it is batched with).
+Reported logprobs are of the model's raw distribution (before penalties and temperature),
+which is what `select` scoring and OpenAI-style logprobs mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from runtime.generation import GenerationState
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float | None]  # chosen token's raw logprob, for rows that asked
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def sample(logits: torch.Tensor, rows: Sequence[GenerationState]) -> SampleOutput:
+    """logits (num_rows, vocab) fp32, one GenerationState per row -> next tokens."""
+    num_rows = logits.shape[0]
+    want_logprobs = [r.params.logprobs or r.params.top_logprobs > 0 for r in rows]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+
+    penalized = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    if penalized:
+        logits = logits.clone()
+        _apply_penalties(logits, penalized, rows)
+
+    chosen = torch.empty(num_rows, dtype=torch.int64)
+    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+    if greedy:
+        chosen[greedy] = logits[greedy].argmax(dim=-1)
+    sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    if sampled:
+        probs = _filtered_probs(logits[sampled], [rows[i].params for i in sampled])
+        for j, i in enumerate(sampled):
+            chosen[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+
+    token_ids = chosen.tolist()
+    logprobs: list[float | None] = [None] * num_rows
+    tops: list[list[tuple[int, float]] | None] = [None] * num_rows
+    if raw_logprobs is not None:
+        picked = raw_logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+        max_top = max(r.params.top_logprobs for r in rows)
+        top_vals, top_ids = raw_logprobs.topk(max_top, dim=-1) if max_top else (None, None)
+        for i, r in enumerate(rows):
+            if want_logprobs[i]:
+                logprobs[i] = picked[i]
+            n = r.params.top_logprobs
+            if n:
+                tops[i] = list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist(), strict=True))
+    return SampleOutput(token_ids, logprobs, tops)
+
+
+def token_logprobs(logits: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+    """Raw logprob of next_ids[j] under logits[j]: (n, vocab), (n,) -> (n,)."""
+    return torch.log_softmax(logits, dim=-1).gather(1, next_ids[:, None].to(torch.int64))[:, 0]
+
+
+def _apply_penalties(logits: torch.Tensor, rows_idx: list[int], rows) -> None:
+    """Repetition (HF: divide positive / multiply negative logits of seen tokens), frequency
+    and presence (OpenAI: subtract per output occurrence / once per output token)."""
+    seen = torch.stack([rows[i].seen_mask for i in rows_idx])  # (n, vocab)
+    counts = torch.stack([rows[i].output_counts for i in rows_idx])  # (n, vocab)
+    params = [rows[i].params for i in rows_idx]
+    rep = torch.tensor([p.repetition_penalty for p in params])[:, None]
+    freq = torch.tensor([p.frequency_penalty for p in params])[:, None]
+    pres = torch.tensor([p.presence_penalty for p in params])[:, None]
+    sub = logits[rows_idx]
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - freq * counts - pres * (counts > 0).float()
+    logits[rows_idx] = sub
+
+
+def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """(n, vocab) logits -> probabilities after temperature, top-k, top-p and min-p."""
+    temps = torch.tensor([p.temperature for p in params])[:, None]
+    logits = logits / temps
+    vocab = logits.shape[-1]
+    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if any(k < vocab for k in top_ks):
+        kth = logits.topk(max(top_ks), dim=-1).values  # (n, max_k) descending
+        threshold = kth.gather(1, torch.tensor(top_ks)[:, None] - 1)
+        threshold[torch.tensor(top_ks) == vocab] = float("-inf")
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    top_ps = torch.tensor([p.top_p for p in params])
+    if bool((top_ps < 1.0).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly better tokens
+        drop_sorted = mass_before >= top_ps[:, None]  # keeps the smallest set reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    min_ps = torch.tensor([p.min_p for p in params])[:, None]
+    if bool((min_ps > 0).any()):
+        probs = probs.masked_fill(probs < min_ps * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs

