@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -68,3 +70,107 @@ class SamplingParams(_Frozen):
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
         )
+
+
+class Constraint(_Frozen):
+    """Structured output: exactly one of regex, JSON schema, choices or an EBNF grammar.
+
+    Accepted on the wire now; the structured-generation issue makes the engine enforce it.
+    """
+
+    regex: str | None = None
+    json_schema: dict | None = None
+    choices: list[str] | None = None
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Constraint:
+        given = [k for k in ("regex", "json_schema", "choices", "grammar") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(
+                f"a constraint needs exactly one of regex/json_schema/choices/grammar, "
+                f"got {given or 'none'}"
+            )
+        return self
+
+
+class GraphHints(_Frozen):
+    """What the program graph knows about a request; the scheduler and eviction may use it."""
+
+    program_id: str | None = None
+    branch_id: str | None = None
+    fork_group_id: str | None = None
+    fork_group_size: int | None = Field(None, ge=1)
+    priority: int = Field(0, description="higher is scheduled (and kept in cache) first")
+
+
+class GenerateRequest(_Frozen):
+    """A prompt (text or token ids) and how to continue it.
+
+    >>> GenerateRequest(text="Hello", sampling=SamplingParams(max_new_tokens=8)).rid is not None
+    True
+    """
+
+    rid: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    constraint: Constraint | None = None
+    hints: GraphHints = Field(default_factory=GraphHints)
+    namespace: str | None = Field(None, description="cache salt: no sharing across namespaces")
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text or input_ids")
+        return self
+
+
+class TokenLogprob(_Frozen):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] | None = None
+
+
+class GenerateResult(_Frozen):
+    rid: str
+    text: str
+    output_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    matched_stop: int | str | None = None
+    prompt_tokens: int
+    cached_tokens: int = Field(description="prompt tokens whose KV came from the cache")
+    completion_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    error: str | None = None
+
+
+class ScoreRequest(_Frozen):
+    """A prefix and N continuations; each continuation's tokens are scored given the prefix."""
+
+    prefix: str | list[int]
+    continuations: list[str | list[int]] = Field(min_length=1)
+    namespace: str | None = None
+    hints: GraphHints = Field(default_factory=GraphHints)
+
+
+class ScoreResult(_Frozen):
+    prefix_ids: list[int]
+    continuation_ids: list[list[int]]
+    token_logprobs: list[list[float]]  # per continuation, one logprob per token
+
+    @property
+    def sums(self) -> list[float]:
+        return [sum(lp) for lp in self.token_logprobs]
+
+    @property
+    def means(self) -> list[float]:
+        return [sum(lp) / len(lp) for lp in self.token_logprobs]
+
+
+class PinInfo(_Frozen):
+    pin_id: str
+    num_tokens: int
+    cached_tokens: int = Field(description="tokens that were already cached when pinned")
+    namespace: str | None = None

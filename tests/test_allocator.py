@@ -89,3 +89,13 @@ def test_random_alloc_free_conserves_slots(page_size, ops):
         assert alloc.num_free_slots + owned.numel() == alloc.num_slots
         assert alloc.all_allocated(owned)
         alloc.check_integrity()
+
+
+def test_freed_slots_are_copied_not_aliased():
+    """Freeing a view and then reusing its storage must not corrupt the free list."""
+    alloc = SlotAllocator(num_slots=8)
+    held = alloc.alloc(6)
+    alloc.free(held[2:4])
+    held[2:4] = torch.tensor([0, 1])  # the caller reuses its tensor
+    alloc.check_integrity()
+    assert sorted(alloc.alloc(4).tolist()) == [2, 3, 6, 7]

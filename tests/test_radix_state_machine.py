@@ -47,6 +47,7 @@ class RadixMachine(RuleBasedStateMachine):
         self.ref: dict[object, dict[tuple[int, ...], list[int]]] = {ns: {} for ns in NAMESPACES}
         self.locks: list[tuple[object, tuple[int, ...], object]] = []  # (ns, prefix, position)
         self.matches: list[tuple[object, tuple[int, ...], object]] = []  # unlocked positions
+        self.watched: list = []  # earlier matches whose staleness the tree must report
 
     # ------------------------------------------------------------ reference
     def ref_match_len(self, ns, seq) -> int:
@@ -108,6 +109,10 @@ class RadixMachine(RuleBasedStateMachine):
         assert result.indices.tolist() == self.ref_indices(ns, seq, n)
         assert self.cache.num_nodes == num_nodes, "match must not split"
         self.matches.append((ns, seq[:n], result.last_node))
+        self.watched = [
+            *self.watched[-15:],
+            (ns, seq, n, result.last_node, result.last_node.node.version),
+        ]
 
     @precondition(lambda self: self.matches)
     @rule(data=st.data())
@@ -159,6 +164,9 @@ class RadixMachine(RuleBasedStateMachine):
         assert self.cache.protected_size == len(self.locked_prefixes()) * self.ps
         for ns, prefix, _ in self.locks:
             assert self.cache.match_prefix(prefix, ns).prefix_len == len(prefix)
+        for ns, seq, n, pos, version in self.watched:
+            if self.cache.match_is_current(pos, version):  # else the caller re-matches
+                assert self.cache.match_prefix(seq, ns).prefix_len == n, "stale match undetected"
 
 
 RadixMachine.TestCase.settings = settings(

@@ -140,7 +140,7 @@ class SlotAllocator:
             bad = low if low < 0 else high
             raise ForeignSlotError(f"slot {bad} is outside the pool of {self.num_slots} slots")
         if self.page_size == 1:
-            return indices
+            return indices.clone()  # never alias the caller's tensor: it may be reused
         if indices.numel() % self.page_size:
             raise ForeignSlotError(
                 f"free() needs whole pages of {self.page_size} slots, got {indices.numel()} slots"

@@ -49,6 +49,7 @@ class TreeNode:
         "priority",
         "candidate_seq",
         "evicted",
+        "version",
     )
 
     def __init__(
@@ -72,6 +73,7 @@ class TreeNode:
         self.priority = priority
         self.candidate_seq: int | None = None  # set while in the eviction candidate queue
         self.evicted = False
+        self.version = 0  # bumped when a match ending here could now go further (see _bump)
 
     @property
     def is_root(self) -> bool:
@@ -147,10 +149,7 @@ class RadixCache:
         """Longest cached prefix of `token_ids` (whole pages). Pure: mutates nothing."""
         key = _as_key(token_ids)
         key = key[: len(key) // self.page_size * self.page_size]
-        root = self._roots.get(namespace)
-        if root is None:
-            return MatchResult(_EMPTY, TreePosition(self._roots[None], 0), 0)
-        node, pos, values = root, 0, []
+        node, pos, values = self._root(namespace), 0, []
         while pos < len(key):
             child = node.children.get(self._child_key(key, pos))
             if child is None:
@@ -184,9 +183,7 @@ class RadixCache:
         aligned_len = len(key) // self.page_size * self.page_size
         key = key[:aligned_len]
         now = self._tick()
-        node = self._roots.get(namespace)
-        if node is None:
-            node = self._roots[namespace] = self._new_root()
+        node = self._root(namespace)
         pos = 0
         while pos < aligned_len:
             child = node.children.get(self._child_key(key, pos))
@@ -213,6 +210,7 @@ class RadixCache:
             self._slot_in_tree[new_indices] = True
             self.evictable_size += aligned_len - pos
             self.num_nodes += 1
+            self._bump(leaf)
         return pos
 
     def lock(self, where: TreePosition | TreeNode) -> int:
@@ -269,6 +267,10 @@ class RadixCache:
                 self._candidates.add(parent)  # a dead branch cascades within this call
         self._release(victims)
         return num_evicted
+
+    def match_is_current(self, position: TreePosition, version: int) -> bool:
+        """Whether a match that ended at `position` when its node had `version` still holds."""
+        return not position.node.evicted and position.node.version == version
 
     def reprioritize(self, node: TreeNode) -> None:
         """Re-order `node` among the candidates after its policy key changed."""
@@ -379,6 +381,14 @@ class RadixCache:
         self.protected_size = 0
         self.num_nodes = 0
 
+    def _root(self, namespace: Namespace) -> TreeNode:
+        """The namespace's root; an empty one is made on first sight (it holds no tokens, so
+        matches stay pure in every sense that matters: no edge is split, nothing is touched)."""
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = self._new_root()
+        return root
+
     def _new_root(self) -> TreeNode:
         root = TreeNode((), _EMPTY, None, 0, self._clock)
         root.lock_ref = 1  # permanently locked: lock/unlock walks stop here
@@ -392,28 +402,8 @@ class RadixCache:
         return key[pos] if self.page_size == 1 else key[pos : pos + self.page_size]
 
     def _edge_match_len(self, edge: tuple[int, ...], key: tuple[int, ...], pos: int) -> int:
-        """Tokens of `edge` equal to key[pos:], rounded down to whole pages.
-
-        The common case (the whole edge matches) is one C-level tuple compare; otherwise gallop
-        in doubling windows, then bisect the window holding the first difference.
-        """
-        limit = min(len(edge), len(key) - pos)
-        if edge[:limit] == key[pos : pos + limit]:
-            same = limit
-        else:
-            lo, step = 0, 8
-            while True:
-                hi = min(lo + step, limit)
-                if edge[lo:hi] != key[pos + lo : pos + hi]:
-                    break
-                lo, step = hi, step * 2
-            while hi - lo > 1:  # edge[:lo] equal, edge[lo:hi] differs
-                mid = (lo + hi) // 2
-                if edge[lo:mid] == key[pos + lo : pos + mid]:
-                    lo = mid
-                else:
-                    hi = mid
-            same = lo
+        """Tokens of `edge` equal to key[pos:], rounded down to whole pages."""
+        same = common_prefix_len(edge, key, pos)
         return same - same % self.page_size
 
     def _node_at(self, where: TreePosition | TreeNode, split: bool) -> TreeNode:
@@ -458,7 +448,16 @@ class RadixCache:
         node.parent = upper
         upper.children[self._child_key(node.key, 0)] = node
         self.num_nodes += 1
+        self._bump(node)
         return upper
+
+    def _bump(self, node: TreeNode) -> None:
+        """Mark `node` and its ancestors changed: a cached match ending at any of them may now
+        extend (a child was added, or an edge was split). Lets schedulers re-match only the
+        waiting requests whose match position actually changed."""
+        while node is not None:
+            node.version += 1
+            node = node.parent
 
     def _unlink_leaf(self, node: TreeNode) -> TreeNode | None:
         """Detach an evicted leaf; return its parent if that became an unlocked leaf."""
@@ -501,6 +500,30 @@ class RadixCache:
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int], b_start: int = 0) -> int:
+    """Length of the common prefix of a and b[b_start:] (same sequence type).
+
+    The common case (all of `a` matches) is one C-level compare; otherwise gallop in doubling
+    windows, then bisect the window holding the first difference: O(log n) Python steps.
+    """
+    limit = min(len(a), len(b) - b_start)
+    if a[:limit] == b[b_start : b_start + limit]:
+        return limit
+    lo, step = 0, 8
+    while True:
+        hi = min(lo + step, limit)
+        if a[lo:hi] != b[b_start + lo : b_start + hi]:
+            break
+        lo, step = hi, step * 2
+    while hi - lo > 1:  # a[:lo] equal, a[lo:hi] differs
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[b_start + lo : b_start + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _arange(rows: torch.Tensor) -> torch.Tensor:

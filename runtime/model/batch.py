@@ -41,11 +41,13 @@ class ForwardBatch:
         new_token_ids: Sequence[Sequence[int]],
         kv_slots: Sequence[torch.Tensor],
         all_logits: Sequence[bool] | None = None,
+        no_logits: Sequence[bool] | None = None,
     ) -> ForwardBatch:
         """Batch sequences given their new tokens and full slot lists (cached prefix + new).
 
-        Logits are produced for the last new token of each sequence, or for every new token of
-        the sequences flagged in `all_logits` (prompt logprobs, scoring).
+        Logits are produced for the last new token of each sequence, for every new token of
+        the sequences flagged in `all_logits` (prompt logprobs, scoring), and for none of the
+        sequences flagged in `no_logits` (a prefill chunk that is not the last).
         """
         if len(new_token_ids) != len(kv_slots):
             raise ValueError("one slot list per sequence is needed")
@@ -54,10 +56,14 @@ class ForwardBatch:
         if any(e < 1 or e > s for e, s in zip(extend_lens, seq_lens, strict=True)):
             raise ValueError("each sequence needs 1..seq_len new tokens")
         flags = all_logits or (False,) * len(extend_lens)
+        skips = no_logits or (False,) * len(extend_lens)
         positions, rows, start = [], [], 0
-        for e, s, want_all in zip(extend_lens, seq_lens, flags, strict=True):
+        for e, s, want_all, skip in zip(extend_lens, seq_lens, flags, skips, strict=True):
             positions.append(torch.arange(s - e, s, dtype=torch.int64))
-            rows.extend(range(start, start + e) if want_all else (start + e - 1,))
+            if want_all:
+                rows.extend(range(start, start + e))
+            elif not skip:
+                rows.append(start + e - 1)
             start += e
         return cls(
             input_ids=torch.tensor([t for toks in new_token_ids for t in toks], dtype=torch.int64),

@@ -110,6 +110,8 @@ class LlamaModel:
             x = _rms_norm(hidden, layer["post_norm"], arch.rms_norm_eps)
             gate, up = layer["gate_up"](x).chunk(2, dim=-1)
             hidden = hidden + layer["down"](F.silu(gate) * up)
+        if batch.logit_rows.numel() == 0:
+            return torch.empty(0, self.arch.vocab_size)
         last = _rms_norm(
             hidden[batch.logit_rows.to(self.device)], self.final_norm, arch.rms_norm_eps
         )

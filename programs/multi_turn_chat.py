@@ -1,0 +1,40 @@
+"""W6, multi-turn chat: its inputs (seeded) and, with the flowlang issue, its program.
+
+Shape: a shared system prompt (~200 tokens) -> 4 turns per conversation; user messages of
+30-60 tokens; each turn's assistant `gen` <= 64 tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from programs.text import CHAT_QUESTIONS, TextBuilder, token_counter
+
+SYSTEM_TOKENS = 200
+USER_TOKENS = (30, 60)
+REPLY_TOKENS = 64
+SIZES = {"test": (4, 4), "bench": (32, 4)}  # conversations, turns
+
+
+@dataclass(frozen=True)
+class MultiTurnInputs:
+    system_prompt: str
+    conversations: tuple[tuple[str, ...], ...]  # user messages, one per turn
+    reply_tokens: int = REPLY_TOKENS
+
+
+def make_inputs(tokenizer, size: str = "test", seed: int = 0) -> MultiTurnInputs:
+    num_convs, num_turns = SIZES[size]
+    count = token_counter(tokenizer)
+    text = TextBuilder(seed + 6, count)
+    system = "You are a patient tutor who answers briefly. " + text.paragraph(SYSTEM_TOKENS - 10)
+    rng = random.Random(seed + 7)
+    conversations = tuple(
+        tuple(
+            text.paragraph(rng.randint(*USER_TOKENS), templates=CHAT_QUESTIONS)
+            for _ in range(num_turns)
+        )
+        for _ in range(num_convs)
+    )
+    return MultiTurnInputs(system, conversations)

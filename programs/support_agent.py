@@ -1,0 +1,77 @@
+"""W1, the support agent: its inputs (seeded) and, with the flowlang issue, its program.
+
+Shape: system prompt S (512 tokens) -> few-shot block F (1,543 tokens) -> a conversation of T
+turns per user (user message 80-120 tokens, assistant reply <= 48 tokens). One user in 8 has a
+retrieved context R (2,112 tokens, their own) after S instead of F.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from programs.text import CUSTOMERS, QUESTIONS, TextBuilder, token_counter
+
+SYSTEM_TOKENS, FEWSHOT_TOKENS, RAG_TOKENS = 512, 1543, 2112
+USER_TOKENS = (80, 120)
+REPLY_TOKENS = 48
+SIZES = {"test": (8, 2), "bench": (64, 3)}  # users, turns
+RAG_EVERY = 8
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    rag_context: str | None  # None: this user gets the few-shot block
+    messages: tuple[str, ...]  # one per turn
+
+
+@dataclass(frozen=True)
+class SupportAgentInputs:
+    system_prompt: str
+    fewshot: str
+    users: tuple[User, ...]
+    reply_tokens: int = REPLY_TOKENS
+
+    def system_message(self, user: User) -> str:
+        """S then F, or S then the user's retrieved context."""
+        tail = user.rag_context if user.rag_context is not None else self.fewshot
+        return f"{self.system_prompt}\n\n{tail}"
+
+
+def make_inputs(tokenizer, size: str = "test", seed: int = 0) -> SupportAgentInputs:
+    """Deterministic W1 inputs; lengths are measured with `tokenizer` (SmolLM2's)."""
+    num_users, num_turns = SIZES[size]
+    count = token_counter(tokenizer)
+    text = TextBuilder(seed, count)
+    system = "You are the support agent of Northwind Goods. " + text.paragraph(SYSTEM_TOKENS - 12)
+    fewshot = _fewshot_block(text, count)
+    rng = random.Random(seed + 1)
+    users = []
+    for i in range(num_users):
+        rag = None
+        if i % RAG_EVERY == RAG_EVERY - 1:
+            rag = "Retrieved notes for this customer: " + text.paragraph(RAG_TOKENS - 8)
+        name = f"{CUSTOMERS[i % len(CUSTOMERS)]} {i}"
+        messages = []
+        for turn in range(num_turns):
+            opener = f"Hi, this is {name}." if turn == 0 else "Thanks."
+            body = text.paragraph(
+                rng.randint(*USER_TOKENS) - count(opener) - 1, templates=QUESTIONS
+            )
+            messages.append(f"{opener} {body}")
+        users.append(User(name=name, rag_context=rag, messages=tuple(messages)))
+    return SupportAgentInputs(system, fewshot, tuple(users))
+
+
+def _fewshot_block(text: TextBuilder, count) -> str:
+    """Worked examples of good replies, about FEWSHOT_TOKENS long."""
+    examples = []
+    block = "Examples of good replies:"
+    while count(block) < FEWSHOT_TOKENS - 140:
+        question = text.paragraph(70, templates=QUESTIONS)
+        answer = text.paragraph(60)
+        examples.append(f"Customer: {question}\nAgent: {answer}")
+        block = "Examples of good replies:\n\n" + "\n\n".join(examples)
+    closing = text.paragraph(FEWSHOT_TOKENS - count(block) - 2)
+    return f"{block}\n\n{closing}"

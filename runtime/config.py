@@ -1,0 +1,83 @@
+"""EngineConfig: every engine setting in one frozen, validated place."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru", "graph")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class EngineConfig(BaseModel):
+    """How to run the engine.
+
+    >>> EngineConfig(model="smollm2-135m-instruct", max_kv_tokens=65536).page_size
+    1
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field("smollm2-135m-instruct", description="registry name or local path")
+    dtype: str = "float32"
+    device: str = "cpu"
+    page_size: int = Field(1, ge=1, le=256)
+    max_kv_tokens: int | None = Field(
+        None, ge=16, description="KV pool size in tokens; default: a share of available memory"
+    )
+    kv_memory_fraction: float = Field(
+        0.3, gt=0, le=0.9, description="share of available RAM for the pool when not sized"
+    )
+    schedule_policy: str = "fcfs"
+    eviction_policy: str = "lru"
+    disable_radix_cache: bool = False
+    chunked_prefill_tokens: int = Field(
+        1024, ge=16, description="prefill tokens per step (decodes are always added)"
+    )
+    max_running_requests: int = Field(256, ge=1)
+    attention_backend: str = "auto"
+    seed: int = Field(0, description="seeds sampling of requests that have no seed of their own")
+
+    @field_validator("schedule_policy")
+    @classmethod
+    def _known_schedule(cls, value: str) -> str:
+        if value not in SCHEDULE_POLICIES:
+            raise ValueError(f"unknown schedule_policy {value!r}; choose from {SCHEDULE_POLICIES}")
+        return value
+
+    @field_validator("eviction_policy")
+    @classmethod
+    def _known_eviction(cls, value: str) -> str:
+        if value not in EVICTION_POLICIES:
+            raise ValueError(f"unknown eviction_policy {value!r}; choose from {EVICTION_POLICIES}")
+        return value
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in DTYPES:
+            raise ValueError(f"unknown dtype {value!r}; choose from {DTYPES}")
+        return value
+
+    def num_kv_slots(self, kv_bytes_per_token: int) -> int:
+        """Pool size in slots: max_kv_tokens, or kv_memory_fraction of available RAM."""
+        if self.max_kv_tokens is not None:
+            tokens = self.max_kv_tokens
+        else:
+            tokens = int(available_memory_bytes() * self.kv_memory_fraction) // kv_bytes_per_token
+            tokens = min(tokens, 1 << 20)
+        return max(self.page_size, tokens // self.page_size * self.page_size)
+
+
+def available_memory_bytes() -> int:
+    """Memory the OS can give us now (MemAvailable), or total physical memory as a fallback."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,1 @@
+"""Admission, batching and retraction on the radix cache."""

@@ -1,0 +1,93 @@
+"""Waiting-queue order, by name: fcfs, lpm, dfs-weight, lof, random, priority.
+
+Cache-aware policies need each waiting request's current match in the radix tree. Matches are
+kept incrementally: a request is re-matched only when the tree reports that the node its last
+match ended at has changed (`RadixCache.match_is_current`), so LPM stays exact and cheap at
+10,000 waiting requests instead of switching itself off.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+from runtime.cache.radix import RadixCache, TreeNode
+from runtime.scheduler.request import Req
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
+
+
+class SchedulePolicy:
+    """Orders the waiting queue each step."""
+
+    def __init__(self, name: str, cache: RadixCache | None, seed: int = 0) -> None:
+        if name not in SCHEDULE_POLICIES:
+            raise ValueError(f"unknown schedule policy {name!r}; choose from {SCHEDULE_POLICIES}")
+        self.name = name
+        self.cache = cache
+        self._rng = random.Random(seed)
+        self.num_rematches = 0  # match_prefix calls spent on keeping matches current
+
+    @property
+    def cache_aware(self) -> bool:
+        return self.name in ("lpm", "dfs-weight") and self.cache is not None
+
+    def order(self, waiting: list[Req]) -> list[Req]:
+        """The waiting requests in the order admission should try them."""
+        if self.name == "fcfs" or (not self.cache_aware and self.name in ("lpm", "dfs-weight")):
+            return sorted(waiting, key=_fcfs_key)
+        if self.name == "lof":
+            return sorted(waiting, key=lambda r: (-r.remaining_new_tokens, *_fcfs_key(r)))
+        if self.name == "priority":
+            return sorted(waiting, key=lambda r: (-r.hints.priority, *_fcfs_key(r)))
+        if self.name == "random":
+            shuffled = list(waiting)
+            self._rng.shuffle(shuffled)
+            return shuffled
+        for req in waiting:
+            self.refresh_match(req)
+        if self.name == "lpm":
+            return sorted(waiting, key=lambda r: (-r.match_len, *_fcfs_key(r)))
+        return self._dfs_weight(waiting)
+
+    def refresh_match(self, req: Req) -> None:
+        """Bring req.match_len up to date, re-matching only if its tree position changed."""
+        if req.match_pos is not None and self.cache.match_is_current(
+            req.match_pos, req.match_version
+        ):
+            return
+        match = self.cache.match_prefix(req.all_ids[: req.match_limit], req.namespace)
+        self.num_rematches += 1
+        req.match_len = match.prefix_len
+        req.match_pos = match.last_node
+        req.match_version = match.last_node.node.version
+
+    def _dfs_weight(self, waiting: list[Req]) -> list[Req]:
+        """Depth-first over the tree, heavier subtrees (more waiting requests) first, so that
+        requests sharing a prefix are admitted together."""
+        at_node: dict[int, list[Req]] = defaultdict(list)
+        weight: dict[int, int] = defaultdict(int)
+        children: dict[int, set[TreeNode]] = defaultdict(set)
+        roots: dict[int, TreeNode] = {}
+        for req in waiting:
+            node = req.match_pos.node
+            at_node[id(node)].append(req)
+            while True:
+                weight[id(node)] += 1
+                if node.parent is None:
+                    roots[id(node)] = node
+                    break
+                children[id(node.parent)].add(node)
+                node = node.parent
+        ordered: list[Req] = []
+        stack = sorted(roots.values(), key=lambda n: weight[id(n)])
+        while stack:
+            node = stack.pop()
+            ordered.extend(sorted(at_node.get(id(node), ()), key=_fcfs_key))
+            stack.extend(sorted(children.get(id(node), ()), key=lambda n: weight[id(n)]))
+        return ordered
+
+
+def _fcfs_key(req: Req) -> tuple[int, int]:
+    # retracted requests go back to the front: they had been admitted before anything waiting
+    return (0 if req.num_retractions else 1, req.arrival)

@@ -1,0 +1,139 @@
+"""Req: the scheduler's view of one request (or pin): tokens, KV slots, locks, outputs."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from runtime.cache.radix import TreePosition
+from runtime.generation import GenerationState
+from runtime.protocol import GraphHints
+
+
+class ReqKind(enum.Enum):
+    GENERATE = "generate"  # prefill then decode until a stop rule fires
+    PREFILL = "prefill"  # prefill only (max_new_tokens=0): scoring continuations
+    PIN = "pin"  # prefill, then keep the prefix locked in the tree until unpinned
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PINNED = "pinned"
+    FINISHED = "finished"
+
+
+class Req:
+    """Mutable per-request state owned by the scheduler thread.
+
+    KV layout: `slots[i]` holds the KV of token i for i < num_computed. The first `num_locked`
+    slots belong to the radix tree (locked by this request at `lock_pos`); the rest of `slots`
+    (whole pages) belong to the request until they are inserted or freed.
+    """
+
+    def __init__(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        gen: GenerationState,
+        kind: ReqKind,
+        namespace: str | None,
+        hints: GraphHints,
+        arrival: int,
+        logprob_start: int | None = None,
+        keep_last_logprobs: bool = False,
+        on_delta: Callable[[Req], None] | None = None,
+        on_finish: Callable[[Req], None] | None = None,
+    ) -> None:
+        self.rid = rid
+        self.prompt_ids = prompt_ids
+        self.gen = gen
+        self.kind = kind
+        self.namespace = namespace
+        self.hints = hints
+        self.arrival = arrival
+        self.status = ReqStatus.WAITING
+        # prompt logprobs: logprob of token j (given tokens < j) for every j >= logprob_start
+        self.logprob_start = logprob_start
+        self.prompt_logprobs: list[float | None] = (
+            [None] * len(prompt_ids) if logprob_start is not None else []
+        )
+        self.keep_last_logprobs = keep_last_logprobs  # full logprob row at the last position
+        self.last_logprobs: torch.Tensor | None = None
+        self.on_delta = on_delta
+        self.on_finish = on_finish
+        # KV state
+        self.slots = _EMPTY
+        self.num_computed = 0
+        self.num_locked = 0
+        self.lock_pos: TreePosition | None = None
+        # accounting
+        self.cached_tokens: int | None = None  # prefix hit at first admission
+        self.admit_seq = -1
+        self.num_retractions = 0
+        self.error: str | None = None
+        self.match_len = 0  # last known cache match (scheduling policies)
+        self.match_pos: Any = None
+        self.match_version = -1
+
+    # ------------------------------------------------------------------ tokens
+    @property
+    def all_ids(self) -> list[int]:
+        """Prompt plus generated tokens: what the KV must eventually cover (but the last)."""
+        return self.prompt_ids + self.gen.output_ids if self.gen.output_ids else self.prompt_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.gen.output_ids)
+
+    @property
+    def first_logit_pos(self) -> int:
+        """The earliest position whose next-token logits are needed."""
+        end = self.num_tokens
+        if self.kind is ReqKind.GENERATE or self.keep_last_logprobs:
+            first = end - 1  # to sample (or keep) the next token
+        else:
+            first = end  # nothing at the end
+        if self.logprob_start is not None:
+            first = min(first, max(0, self.logprob_start - 1))
+        return first
+
+    @property
+    def match_limit(self) -> int:
+        """Tokens that may come from the cache: every position whose logits we need is computed."""
+        return min(self.num_tokens, self.first_logit_pos)
+
+    @property
+    def target_len(self) -> int:
+        """Tokens whose KV this request computes before it samples (or completes)."""
+        return self.num_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        return bool(self.gen.output_ids) and self.num_computed == self.num_tokens - 1
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.gen.params.max_new_tokens - len(self.gen.output_ids))
+
+    @property
+    def capacity(self) -> int:
+        return self.slots.numel()
+
+    def reset_kv(self) -> None:
+        self.slots = _EMPTY
+        self.num_computed = 0
+        self.num_locked = 0
+        self.lock_pos = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Req({self.rid[:8]}, {self.kind.value}, {self.status.value}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed})"
+        )
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
