@@ -1,6 +1,56 @@
-"""flowlang: structured LLM programs (gen, select, fork, join) compiled to a request graph.
+"""flowlang: structured LLM programs (gen, select, fork, join, roles, few-shot) run as a request
+graph on an engine that prefills every shared prefix once.
 
-The language arrives with the flowlang issue; this package must stay importable without torch.
+Importable without torch: the engine is only imported when a LocalBackend is made.
 """
 
+from flowlang.backends import MockBackend, get_default_backend, set_default_backend
+from flowlang.backends.base import Backend
+from flowlang.errors import (
+    ExecutionError,
+    FlowlangError,
+    InstanceError,
+    ProgramError,
+    UnknownVariableError,
+)
+from flowlang.graph import PrefixReport, RequestGraph, kv_bytes_per_token
+from flowlang.primitives import assistant, fewshot, gen, role, select, system, user
+from flowlang.program import Program, program
+from flowlang.state import ProgramState
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "LocalBackend":  # lazy: pulls in the engine's imports
+        from flowlang.backends.local import LocalBackend
+
+        return LocalBackend
+    raise AttributeError(name)
+
+
+__all__ = [
+    "Backend",
+    "ExecutionError",
+    "FlowlangError",
+    "InstanceError",
+    "LocalBackend",
+    "MockBackend",
+    "PrefixReport",
+    "Program",
+    "ProgramError",
+    "ProgramState",
+    "RequestGraph",
+    "UnknownVariableError",
+    "assistant",
+    "fewshot",
+    "gen",
+    "get_default_backend",
+    "kv_bytes_per_token",
+    "program",
+    "role",
+    "select",
+    "set_default_backend",
+    "system",
+    "user",
+]

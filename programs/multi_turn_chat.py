@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from flowlang import assistant, gen, program, system, user
 from programs.text import CHAT_QUESTIONS, TextBuilder, token_counter
 
 SYSTEM_TOKENS = 200
@@ -38,3 +39,32 @@ def make_inputs(tokenizer, size: str = "test", seed: int = 0) -> MultiTurnInputs
         for _ in range(num_convs)
     )
     return MultiTurnInputs(system, conversations)
+
+
+# ---------------------------------------------------------------------- the program
+
+
+@program
+def multi_turn_chat(
+    s,
+    system_prompt: str,
+    messages: tuple[str, ...],
+    reply_tokens: int = 64,
+    temperature: float = 0.0,
+):
+    s += system(system_prompt)
+    for turn, message in enumerate(messages):
+        s += user(message)
+        s += assistant(gen(f"reply_{turn}", max_new_tokens=reply_tokens, temperature=temperature))
+
+
+def batch_args(inputs: MultiTurnInputs, temperature: float = 0.0) -> list[dict]:
+    return [
+        {
+            "system_prompt": inputs.system_prompt,
+            "messages": msgs,
+            "reply_tokens": inputs.reply_tokens,
+            "temperature": temperature,
+        }
+        for msgs in inputs.conversations
+    ]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from flowlang import assistant, gen, program, system
+from flowlang import user as user_message
 from programs.text import CUSTOMERS, QUESTIONS, TextBuilder, token_counter
 
 SYSTEM_TOKENS, FEWSHOT_TOKENS, RAG_TOKENS = 512, 1543, 2112
@@ -75,3 +77,23 @@ def _fewshot_block(text: TextBuilder, count) -> str:
         block = "Examples of good replies:\n\n" + "\n\n".join(examples)
     closing = text.paragraph(FEWSHOT_TOKENS - count(block) - 2)
     return f"{block}\n\n{closing}"
+
+
+# ---------------------------------------------------------------------- the program
+
+
+@program
+def support_agent(s, inputs: SupportAgentInputs, user: User, temperature: float = 0.0):
+    """One customer's conversation: S, then F (or their retrieved notes), then T turns."""
+    tail = user.rag_context if user.rag_context is not None else inputs.fewshot
+    s += system(inputs.system_prompt, "\n\n" + tail)  # two segments: S is shared by everyone
+    for turn, message in enumerate(user.messages):
+        s += user_message(message)
+        s += assistant(
+            gen(f"reply_{turn}", max_new_tokens=inputs.reply_tokens, temperature=temperature)
+        )
+
+
+def batch_args(inputs: SupportAgentInputs, temperature: float = 0.0) -> list[dict]:
+    """run_batch arguments: one program instance per user."""
+    return [{"inputs": inputs, "user": u, "temperature": temperature} for u in inputs.users]

@@ -6,8 +6,9 @@ import os
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
-EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru", "graph")
+from runtime.cache.eviction import EVICTION_POLICIES
+from runtime.scheduler.policy import SCHEDULE_POLICIES
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 

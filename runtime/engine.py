@@ -338,51 +338,91 @@ class Engine:
             self._run_in_loop(lambda: self.scheduler.abort(pin_id))
 
     def _score_one(self, request: ScoreRequest) -> ScoreResult:
+        """Score every continuation with each token computed once.
+
+        The continuations form a trie under the prefix. Every trie node whose next-token row
+        is needed and that two or more continuations share (the prefix itself first) is
+        pinned with its last logprob row kept; each continuation then computes only its own
+        unshared tail, with prompt logprobs from where it diverges.
+        """
         self._check_open()
         prefix_ids = self._tokens(request.prefix, special=True)
         conts = [self._tokens(c, special=False) for c in request.continuations]
         if any(not c for c in conts):
             raise InvalidRequestError("every continuation needs at least one token")
-        longest = max(map(len, conts))
-        self._validate_prompt(prefix_ids, longest)
-        pinned = not self.config.disable_radix_cache
-        pin_id, first_logprobs = None, None
-        if pinned:  # the prefix is computed once and its last position scores every first token
-            info, first_logprobs = self._pin(prefix_ids, request.namespace, request.hints, True)
-            pin_id = info.pin_id
+        self._validate_prompt(prefix_ids, max(map(len, conts)))
+        shares: dict[tuple[int, ...], int] = {}
+        rows_needed: set[tuple[int, ...]] = set()
+        for cont in conts:
+            for m in range(len(cont) + 1):
+                shares[tuple(cont[:m])] = shares.get(tuple(cont[:m]), 0) + 1
+                if m < len(cont):
+                    rows_needed.add(tuple(cont[:m]))
+        shared_rows = (
+            []
+            if self.config.disable_radix_cache
+            else sorted((n for n in rows_needed if shares[n] >= 2), key=len)
+        )
+        rows: dict[tuple[int, ...], torch.Tensor] = {}
+        pin_ids: list[str] = []
         try:
-            start = len(prefix_ids) + (1 if pinned else 0)
-            handles, reqs = [], []
-            for cont in conts:
+            for node in shared_rows:  # shortest first: each pin computes one new token
+                info, rows[node] = self._pin(
+                    prefix_ids + list(node), request.namespace, request.hints, True
+                )
+                pin_ids.append(info.pin_id)
+            reqs: dict[int, Req] = {}
+            handles = []
+            for i, cont in enumerate(conts):
+                diverge = next((m for m in range(len(cont)) if tuple(cont[:m]) not in rows), None)
+                if diverge is None:
+                    continue  # every row this continuation needs came with a pin
                 handle = RequestHandle(self, uuid.uuid4().hex)
-                req = self._make_req(
+                # the last token's KV is never needed: its logprob is the last row's
+                reqs[i] = self._make_req(
                     handle.rid,
-                    prefix_ids + cont,
+                    prefix_ids + cont[:-1],
                     SamplingParams(max_new_tokens=0),
                     request.namespace,
                     request.hints,
                     handle,
                     ReqKind.PREFILL,
-                    logprob_start=start,
+                    logprob_start=len(prefix_ids) + diverge,
+                    keep_last_logprobs=True,
                 )
-                reqs.append(req)
                 handles.append(handle)
-            self._run_in_loop(lambda: [self.scheduler.add(r) for r in reqs])
+            if reqs:
+                self._run_in_loop(lambda: [self.scheduler.add(r) for r in reqs.values()])
             for handle in handles:
                 result = handle.result()
                 if result.finish_reason == "error":
                     raise RequestError(result.error)
-            token_logprobs = []
-            for cont, req in zip(conts, reqs, strict=True):
-                tail = req.prompt_logprobs[start:]
-                head = [float(first_logprobs[cont[0]])] if pinned else []
-                token_logprobs.append(head + [float(x) for x in tail])
+            token_logprobs = [
+                [
+                    self._score_token(rows, reqs.get(i), prefix_ids, cont, j)
+                    for j in range(len(cont))
+                ]
+                for i, cont in enumerate(conts)
+            ]
         finally:
-            if pin_id is not None:
+            for pin_id in pin_ids:
                 self._unpin_quietly(pin_id)
         return ScoreResult(
             prefix_ids=prefix_ids, continuation_ids=conts, token_logprobs=token_logprobs
         )
+
+    @staticmethod
+    def _score_token(
+        rows: dict, req: Req | None, prefix_ids: list[int], cont: list[int], j: int
+    ) -> float:
+        """Logprob of cont[j]: from a pinned trie node's row, the request's prompt logprobs,
+        or (the last token) the request's last row."""
+        context = tuple(cont[:j])
+        if context in rows:
+            return float(rows[context][cont[j]])
+        if j == len(cont) - 1:
+            return float(req.last_logprobs[cont[j]])
+        return float(req.prompt_logprobs[len(prefix_ids) + j])
 
     # ------------------------------------------------------------------ loop thread
     def _loop(self) -> None:

@@ -102,6 +102,9 @@ class GraphHints(_Frozen):
     fork_group_id: str | None = None
     fork_group_size: int | None = Field(None, ge=1)
     priority: int = Field(0, description="higher is scheduled (and kept in cache) first")
+    continuation: bool = Field(
+        False, description="the program has more work that extends this request's sequence"
+    )
 
 
 class GenerateRequest(_Frozen):

@@ -251,15 +251,26 @@ def test_a_request_larger_than_the_pool_fails_alone(tiny_model_dir):
 
 # ---------------------------------------------------------------- scoring, streaming, logprobs
 @pytest.mark.parametrize(
-    "conts, extra", [([[5, 6, 7], [8, 9], [11]], 0), ([[5, 6, 7], [5, 9], [11]], 1)]
+    "conts",
+    [
+        [[5, 6, 7], [8, 9], [11]],
+        [[5, 6, 7], [5, 9], [11]],  # a shared first token
+        [[216, 33], [216, 33, 32], [216, 34], [216, 33, 33], [216, 33]],  # " 1", " 10", ... twice
+    ],
 )
-def test_score_matches_prompt_logprobs_and_computes_the_prefix_once(tiny_model_dir, conts, extra):
-    """Continuations sharing a first token recompute it (its logits are needed again)."""
+@pytest.mark.parametrize("disable", [False, True])
+def test_score_matches_prompt_logprobs_and_computes_every_token_once(
+    tiny_model_dir, conts, disable
+):
+    """Each token whose KV scoring needs (a continuation's last token needs none) is computed
+    once: the shared prefix and every shared part of the continuations."""
     prefix = list(range(300, 420))
-    with engine(tiny_model_dir) as eng:
+    with engine(tiny_model_dir, disable_radix_cache=disable) as eng:
         (scored,) = eng.score(ScoreRequest(prefix=prefix, continuations=conts))
         computed = eng.stats()["prefill_tokens_total"]
-        assert computed == union_prefix_tokens([prefix + c for c in conts]) + extra
+        if not disable:
+            assert computed == union_prefix_tokens([prefix + c[:-1] for c in conts])
+        assert eng.stats()["num_pins"] == 0
         full = eng.generate(
             [
                 GenerateRequest(

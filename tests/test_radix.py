@@ -208,6 +208,7 @@ EXPECTED_ORDER = {
     "lfu": "BAC",
     "slru": "BCA",  # B is probationary (1 hit); C and A are protected, LRU among them
     "priority": "CBA",
+    "graph": "BCA",  # no known future uses: plain LRU
 }
 
 
@@ -230,3 +231,29 @@ def test_eviction_order_per_policy(policy):
         order += gone
         cache.check_integrity(num_caller_slots=0)
     assert order == EXPECTED_ORDER[policy]
+
+
+def test_graph_policy_orders_by_known_next_use():
+    """No reader first (LRU), then branches that will be extended (latest first), then queued
+    reads, the farthest queue position first."""
+    cache = make_cache(policy="graph")
+    leaves = {name: [i, i] for i, name in enumerate("ABCDEF", start=1)}
+    for seq in leaves.values():
+        cache_sequence(cache, seq)
+
+    def node(name):
+        return cache.resolve(cache.match_prefix(leaves[name]).last_node)
+
+    futures = {"A": (2, -1), "B": (1, -5), "C": None, "D": (2, -7), "E": (1, -9), "F": None}
+    for name, future in futures.items():
+        node(name).future = future
+        cache.reprioritize(node(name))
+    order = ""
+    while cache.total_size:
+        before = {n for n, seq in leaves.items() if cache.match_prefix(seq).prefix_len}
+        cache.evict(1)
+        order += "".join(
+            before - {n for n, seq in leaves.items() if cache.match_prefix(seq).prefix_len}
+        )
+        cache.check_integrity(num_caller_slots=0)
+    assert order == "CFEBDA"

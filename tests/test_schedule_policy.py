@@ -76,3 +76,22 @@ def test_other_policies():
     assert [r.rid for r in SchedulePolicy("fcfs", None).order(waiting)] == ["r0", "r1", "r2", "r3"]
     randomized = SchedulePolicy("random", None, seed=1).order(waiting)
     assert sorted(r.rid for r in randomized) == ["r0", "r1", "r2", "r3"]
+
+
+def test_fork_groups_are_admitted_together():
+    from runtime.protocol import GraphHints
+
+    def member(i, group):
+        req = make_req(i, [i, i])
+        req.hints = GraphHints(fork_group_id=group, fork_group_size=2)
+        return req
+
+    waiting = [
+        member(0, "g1"),
+        make_req(1, [1, 1]),
+        member(2, "g2"),
+        member(3, "g1"),
+        member(4, "g2"),
+    ]
+    order = [r.rid for r in SchedulePolicy("fcfs", None).order(waiting)]
+    assert order == ["r0", "r3", "r1", "r2", "r4"]

@@ -82,9 +82,37 @@ class SLRUPolicy(EvictionPolicy):
         return (node.hit_count >= self.protected_hits, node.last_access_time)
 
 
+class GraphPolicy(EvictionPolicy):
+    """Evict by estimated next use, known from the program graph; recency breaks ties.
+
+    The scheduler writes `node.future` (and calls `reprioritize`):
+    - None: no known reader: evicted first, least recently used first;
+    - (1, -t): a program branch that ended here at step t will extend it soon (its next request
+      is not queued yet, so it is needed after everything already waiting; latest first);
+    - (2, -rank): a waiting request at queue position `rank` reads it: the farthest first.
+    Belady's rule, with the next use taken from the queue and the programs instead of guessed.
+    Pinned prefixes (fork and run_batch shared prefixes) are locked and never candidates.
+    """
+
+    name = "graph"
+
+    def priority(self, node: TreeNode) -> Any:
+        future = node.future
+        return (0, node.last_access_time) if future is None else future
+
+
 EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls
-    for cls in (LRUPolicy, LFUPolicy, FIFOPolicy, MRUPolicy, FILOPolicy, PriorityPolicy, SLRUPolicy)
+    for cls in (
+        LRUPolicy,
+        LFUPolicy,
+        FIFOPolicy,
+        MRUPolicy,
+        FILOPolicy,
+        PriorityPolicy,
+        SLRUPolicy,
+        GraphPolicy,
+    )
 }
 
 

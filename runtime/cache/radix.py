@@ -50,6 +50,8 @@ class TreeNode:
         "candidate_seq",
         "evicted",
         "version",
+        "future",
+        "future_base",
     )
 
     def __init__(
@@ -74,6 +76,8 @@ class TreeNode:
         self.candidate_seq: int | None = None  # set while in the eviction candidate queue
         self.evicted = False
         self.version = 0  # bumped when a match ending here could now go further (see _bump)
+        self.future: tuple | None = None  # "graph" policy: known next use (see eviction.py)
+        self.future_base: tuple | None = None  # ... and what it falls back to when refreshed
 
     @property
     def is_root(self) -> bool:
@@ -267,6 +271,10 @@ class RadixCache:
                 self._candidates.add(parent)  # a dead branch cascades within this call
         self._release(victims)
         return num_evicted
+
+    def resolve(self, position: TreePosition) -> TreeNode:
+        """The node a (locked, or otherwise split) position ends at exactly."""
+        return self._node_at(position, split=False)
 
     def match_is_current(self, position: TreePosition, version: int) -> bool:
         """Whether a match that ended at `position` when its node had `version` still holds."""

@@ -33,7 +33,11 @@ class SchedulePolicy:
         return self.name in ("lpm", "dfs-weight") and self.cache is not None
 
     def order(self, waiting: list[Req]) -> list[Req]:
-        """The waiting requests in the order admission should try them."""
+        """The waiting requests in the order admission should try them; members of a fork
+        group stay together, at the place of their first member, so branches co-run."""
+        return _group_forks(self._order(waiting))
+
+    def _order(self, waiting: list[Req]) -> list[Req]:
         if self.name == "fcfs" or (not self.cache_aware and self.name in ("lpm", "dfs-weight")):
             return sorted(waiting, key=_fcfs_key)
         if self.name == "lof":
@@ -86,6 +90,25 @@ class SchedulePolicy:
             ordered.extend(sorted(at_node.get(id(node), ()), key=_fcfs_key))
             stack.extend(sorted(children.get(id(node), ()), key=lambda n: weight[id(n)]))
         return ordered
+
+
+def _group_forks(ordered: list[Req]) -> list[Req]:
+    groups: dict[str, list[Req]] = {}
+    for req in ordered:
+        group = req.hints.fork_group_id
+        if group is not None:
+            groups.setdefault(group, []).append(req)
+    if not groups:
+        return ordered
+    result, placed = [], set()
+    for req in ordered:
+        group = req.hints.fork_group_id
+        if group is None:
+            result.append(req)
+        elif group not in placed:
+            placed.add(group)
+            result.extend(groups[group])
+    return result
 
 
 def _fcfs_key(req: Req) -> tuple[int, int]:

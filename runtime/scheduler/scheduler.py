@@ -66,6 +66,8 @@ class Scheduler:
             None if disable_radix_cache else RadixCache(self.allocator, page_size, eviction_policy)
         )
         self.policy = SchedulePolicy(schedule_policy, self.cache, seed)
+        self.graph_eviction = self.cache is not None and eviction_policy == "graph"
+        self._future_marked: list = []
         self.chunked_prefill_tokens = chunked_prefill_tokens
         self.max_running_requests = max_running_requests
         self.waiting: dict[str, Req] = {}
@@ -219,6 +221,8 @@ class Scheduler:
         cached = match.prefix_len if match is not None else 0
         if cached:
             self.cache.lock(match.last_node)
+            if self.graph_eviction:  # read now: no longer a pending continuation
+                self.cache.resolve(match.last_node).future_base = None
             req.lock_pos = match.last_node
             req.slots = match.indices.clone()
         req.num_computed = req.num_locked = cached
@@ -288,8 +292,32 @@ class Scheduler:
     def _make_room(self, num_tokens: int) -> bool:
         missing = num_tokens - self.allocator.num_free_slots
         if missing > 0 and self.cache is not None:
+            if self.graph_eviction:
+                self._mark_queued_reads()
             self.cache.evict(missing)
         return self.allocator.num_free_slots >= num_tokens
+
+    def _mark_queued_reads(self) -> None:
+        """ "graph" eviction: the node each waiting request will read gets its queue rank."""
+        for node in self._future_marked:  # last pass's marks are stale now
+            node.future = node.future_base
+            self.cache.reprioritize(node)
+        self._future_marked = []
+        for rank, req in enumerate(self.policy.order(list(self.waiting.values()))):
+            self.policy.refresh_match(req)
+            node = req.match_pos.node
+            if node.parent is not None and not node.evicted:
+                mark = (2, -rank)
+                if node.future is None or node.future < mark:
+                    node.future = mark
+                    self._future_marked.append(node)
+                    self.cache.reprioritize(node)
+
+    def _mark_continuation(self, req: Req) -> None:
+        """ "graph" eviction: the program will extend this sequence soon."""
+        if self.graph_eviction and req.hints.continuation and req.lock_pos is not None:
+            node = self.cache.resolve(req.lock_pos)
+            node.future_base = node.future = (1, -self.counters["steps"])
 
     def _ensure_decode_slots(self) -> None:
         """Give every decoding request a slot for this step, retracting others if needed."""
@@ -425,6 +453,7 @@ class Scheduler:
         """Give up the request's KV: into the tree (insert) or back to the allocator."""
         if self.cache is not None and insert:
             self._cache_prefix(req)
+            self._mark_continuation(req)
         if req.lock_pos is not None:
             self.cache.unlock(req.lock_pos)
         self._free(req.slots[req.num_locked :])

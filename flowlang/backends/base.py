@@ -1,0 +1,53 @@
+"""The backend contract: how flowlang reaches an engine (in-process, over HTTP, or a mock)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from flowlang.chat import ChatFormat
+from runtime.protocol import GenerateRequest, GenerateResult, GraphHints, ScoreRequest, ScoreResult
+
+
+class GenerationHandle(Protocol):
+    """A running generation: iterate for text deltas, `result()` for the whole result."""
+
+    def __iter__(self) -> Iterator[str]: ...
+
+    def result(self) -> GenerateResult: ...
+
+
+class PinLease(Protocol):
+    def release(self) -> None: ...
+
+
+class Backend(ABC):
+    """Tokenizer, chat format and the engine calls a program needs.
+
+    Thread-safe: many program states call it concurrently.
+    """
+
+    chat_format: ChatFormat
+
+    @abstractmethod
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text` (special tokens written in the text are parsed as such)."""
+
+    @abstractmethod
+    def generate(self, request: GenerateRequest) -> GenerationHandle:
+        """Start a generation; returns at once."""
+
+    @abstractmethod
+    def score(self, request: ScoreRequest) -> ScoreResult:
+        """Per-token logprobs of each continuation after the prefix (prefix computed once)."""
+
+    @abstractmethod
+    def pin(
+        self, prefix_ids: list[int], namespace: str | None = None, hints: GraphHints | None = None
+    ) -> PinLease:
+        """Prefill the prefix once and keep it cached until the lease is released."""
+
+    def model_info(self) -> dict[str, Any]:
+        """What the backend knows of its model (for reports)."""
+        return {}

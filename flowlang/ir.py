@@ -1,0 +1,56 @@
+"""The request-graph IR: small frozen nodes with no execution logic.
+
+A program's stream is a sequence of these. `flowlang.executor` is the one place that
+dispatches on node kind to run them; `flowlang.graph` prints and measures them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.protocol import SamplingParams
+
+SELECT_METHODS = ("token_length_normalized", "greedy", "unconditional_likelihood_normalized")
+
+
+@dataclass(frozen=True)
+class Text:
+    text: str
+
+
+@dataclass(frozen=True)
+class RoleBegin:
+    role: str  # "system" | "user" | "assistant" (any role the chat template knows)
+
+
+@dataclass(frozen=True)
+class RoleEnd:
+    role: str
+
+
+@dataclass(frozen=True)
+class Gen:
+    name: str
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class Select:
+    name: str
+    choices: tuple[str, ...]
+    method: str = "token_length_normalized"
+
+
+@dataclass(frozen=True)
+class Fork:
+    fork_id: str
+    num_branches: int
+
+
+@dataclass(frozen=True)
+class Join:
+    fork_id: str
+    mode: str  # "gather" | "concat"
+
+
+Node = Text | RoleBegin | RoleEnd | Gen | Select | Fork | Join

@@ -1,0 +1,85 @@
+"""What programs write: gen, select, roles, few-shot blocks. Each returns IR nodes; nothing runs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import jinja2
+
+from flowlang.errors import ProgramError
+from flowlang.ir import SELECT_METHODS, Gen, Node, RoleBegin, RoleEnd, Select, Text
+from runtime.protocol import SamplingParams
+
+
+def gen(name: str, **sampling: Any) -> Gen:
+    """Generate into variable `name`; keyword arguments are SamplingParams fields.
+
+    >>> gen("answer", max_new_tokens=32, stop="\\n").params.max_new_tokens
+    32
+    """
+    _check_name(name)
+    try:
+        return Gen(name, SamplingParams(**sampling))
+    except ValueError as err:
+        raise ProgramError(f"gen({name!r}): {err}") from err
+
+
+def select(name: str, choices: Sequence[str], method: str = "token_length_normalized") -> Select:
+    """Pick one of `choices` by the model's likelihood; the pick goes into variable `name`."""
+    _check_name(name)
+    if not choices or any(not isinstance(c, str) or not c for c in choices):
+        raise ProgramError(f"select({name!r}) needs a non-empty list of non-empty strings")
+    if method not in SELECT_METHODS:
+        raise ProgramError(f"select({name!r}): unknown method {method!r}; use {SELECT_METHODS}")
+    return Select(name, tuple(choices), method)
+
+
+def system(*content: Any) -> list[Node]:
+    return role("system", *content)
+
+
+def user(*content: Any) -> list[Node]:
+    return role("user", *content)
+
+
+def assistant(*content: Any) -> list[Node]:
+    return role("assistant", *content)
+
+
+def role(name: str, *content: Any) -> list[Node]:
+    """A chat message: the model's chat template decides the text around `content`."""
+    return [RoleBegin(name), *to_nodes(list(content)), RoleEnd(name)]
+
+
+def fewshot(template: str, examples: Iterable[Mapping[str, Any]], **context: Any) -> Text:
+    """Render a jinja2 few-shot template once over `examples` (as `examples` in the template).
+
+    >>> fewshot("{% for e in examples %}Q: {{ e.q }} A: {{ e.a }}\\n{% endfor %}",
+    ...         [{"q": "1+1", "a": "2"}]).text
+    'Q: 1+1 A: 2\\n'
+    """
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    try:
+        return Text(env.from_string(template).render(examples=list(examples), **context))
+    except jinja2.TemplateError as err:
+        raise ProgramError(f"fewshot template: {err}") from err
+
+
+def to_nodes(value: Any) -> list[Node]:
+    """Anything a program may add to a state, as a flat list of IR nodes."""
+    if isinstance(value, str):
+        return [Text(value)] if value else []
+    if isinstance(value, Text | RoleBegin | RoleEnd | Gen | Select):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [node for item in value for node in to_nodes(item)]
+    raise ProgramError(
+        f"cannot add a {type(value).__name__} to a program state; add str, gen(), select(), "
+        f"or a role such as user(...)"
+    )
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ProgramError(f"a variable name must be an identifier, got {name!r}")
