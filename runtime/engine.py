@@ -11,6 +11,7 @@ radix tree and the KV pool are only ever touched by that one thread.
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
 import queue
 import sys
@@ -203,6 +204,19 @@ class Engine:
     def stats(self) -> dict[str, float]:
         """Engine counters and gauges (Prometheus-style names)."""
         return self._call_in_loop(self._collect_stats)
+
+    def describe_cache(
+        self, max_depth: int = 3, max_children: int = 4, max_tokens: int = 12
+    ) -> str:
+        """The radix tree as text (first tokens of each edge decoded), cut to a summary."""
+        cache = self.scheduler.cache
+        if cache is None:
+            return "(the radix cache is disabled)"
+        tokenizer = self.tokenizer
+        render = (lambda ids: tokenizer.decode(list(ids))) if tokenizer is not None else None
+        return self._call_in_loop(
+            lambda: cache.pretty_print(io.StringIO(), max_tokens, max_depth, max_children, render)
+        )
 
     def check_integrity(self) -> None:
         """Assert tree, allocator and scheduler invariants (between steps)."""

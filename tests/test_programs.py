@@ -8,38 +8,11 @@ import torch
 import flowlang as fl
 from flowlang import gen, program, select
 from flowlang.backends.local import LocalBackend
-from flowlang.prefix import prefill_lower_bound, union_prefix_tokens
+from flowlang.prefix import union_prefix_tokens
 from programs import fewshot_choice, judge, multi_turn_chat, support_agent, tree_of_thought
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.protocol import GenerateRequest, SamplingParams
-
-
-class RecordingBackend(LocalBackend):
-    """Records every request a program sends, to compute the exact prefill lower bound."""
-
-    def __init__(self, engine: Engine) -> None:
-        super().__init__(engine)
-        self.generations: list = []
-        self.scores: list = []
-
-    def generate(self, request):
-        handle = super().generate(request)
-        self.generations.append((request, handle))
-        return handle
-
-    def score(self, request):
-        result = super().score(request)
-        self.scores.append(result)
-        return result
-
-    def lower_bound(self) -> int:
-        """Union of every prompt (a scored continuation's last token needs no KV) minus the
-        KV computed while decoding."""
-        prompts = [r.input_ids for r, _ in self.generations]
-        prompts += [s.prefix_ids + c[:-1] for s in self.scores for c in s.continuation_ids]
-        finished = [(r.input_ids, h.result().output_ids) for r, h in self.generations]
-        return prefill_lower_bound(prompts, finished)
 
 
 def workloads(tokenizer):
@@ -67,7 +40,7 @@ def workloads(tokenizer):
 def run(tiny_model_dir, name, **config):
     config.setdefault("max_kv_tokens", 60_000)
     with Engine(EngineConfig(model=str(tiny_model_dir), **config)) as engine:
-        backend = RecordingBackend(engine)
+        backend = LocalBackend(engine, record=True)
         prog, batch = workloads(engine.tokenizer)[name]
         states = prog.run_batch(batch, backend=backend, progress=False)
         assert all(isinstance(s, fl.ProgramState) for s in states), states
@@ -86,7 +59,7 @@ def test_greedy_outputs_equal_cache_disabled(tiny_model_dir, name):
 @pytest.mark.parametrize("name", ["W1", "W3", "W4"])
 def test_prefill_computed_is_the_exact_lower_bound(tiny_model_dir, name):
     _, stats, backend = run(tiny_model_dir, name)
-    assert stats["prefill_tokens_total"] == backend.lower_bound()
+    assert stats["prefill_tokens_total"] == backend.prompt_report()["lower_bound"]
     assert stats["num_pins"] == 0, "every fork and batch pin was released"
 
 
@@ -125,7 +98,7 @@ def test_fork_prefix_is_computed_once_under_eviction_pressure(tiny_model_dir):
     with Engine(
         EngineConfig(model=str(tiny_model_dir), max_kv_tokens=2600, chunked_prefill_tokens=256)
     ) as engine:
-        backend = RecordingBackend(engine)
+        backend = LocalBackend(engine, record=True)
         filler = [" ".join(f"fill{k}x{i}" for i in range(150)) for k in range(4)]
         engine.generate(
             [GenerateRequest(text=f, sampling=SamplingParams(max_new_tokens=1)) for f in filler]
@@ -194,7 +167,7 @@ def test_select_picks_what_a_direct_reference_picks(
     path = tiny_model_dir if which == "tiny" else default_model_path
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with Engine(EngineConfig(model=str(path), max_kv_tokens=8192)) as engine:
-        backend = RecordingBackend(engine)
+        backend = LocalBackend(engine, record=True)
         state = capital.run(method=method, backend=backend)
         (scored, *rest) = backend.scores
         choice_ids = [backend.tokenize(c) for c in CHOICES]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from flowlang.backends.base import Backend, GenerationHandle, PinLease
@@ -16,8 +17,12 @@ class LocalBackend(Backend):
     >>> backend = LocalBackend(Engine())  # doctest: +SKIP
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, record: bool = False) -> None:
         self.engine = engine
+        self.record = record  # keep every request and result (reports, exact counts)
+        self.generations: list[tuple[GenerateRequest, GenerationHandle]] = []
+        self.scores: list[ScoreResult] = []
+        self._log_lock = threading.Lock()
         tokenizer = engine.tokenizer
         if tokenizer is None:
             raise ValueError("LocalBackend needs a model with a tokenizer")
@@ -31,10 +36,36 @@ class LocalBackend(Backend):
         return list(self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def generate(self, request: GenerateRequest) -> GenerationHandle:
-        return self.engine.submit(request)
+        handle = self.engine.submit(request)
+        if self.record:
+            with self._log_lock:
+                self.generations.append((request, handle))
+        return handle
 
     def score(self, request: ScoreRequest) -> ScoreResult:
-        return self.engine.score(request)[0]
+        result = self.engine.score(request)[0]
+        if self.record:
+            with self._log_lock:
+                self.scores.append(result)
+        return result
+
+    def prompt_report(self) -> dict[str, int]:
+        """From the recorded requests: prompt tokens sent, unique (union prefix tree) and the
+        prefill lower bound (unique minus KV computed while decoding). A scored
+        continuation's last token needs no KV, so it is not counted."""
+        from flowlang.prefix import prefill_lower_bound, union_prefix_tokens
+
+        with self._log_lock:
+            generations, scores = list(self.generations), list(self.scores)
+        prompts = [list(r.input_ids) for r, _ in generations]
+        prompts += [s.prefix_ids + c[:-1] for s in scores for c in s.continuation_ids]
+        finished = [(r.input_ids, h.result().output_ids) for r, h in generations]
+        return {
+            "requests": len(generations) + len(scores),
+            "prompt_tokens": sum(map(len, prompts)),
+            "unique_prompt_tokens": union_prefix_tokens(prompts),
+            "lower_bound": prefill_lower_bound(prompts, finished),
+        }
 
     def pin(
         self, prefix_ids: list[int], namespace: str | None = None, hints: GraphHints | None = None

@@ -13,7 +13,7 @@ along root paths, leaf-first eviction), with three differences:
 from __future__ import annotations
 
 import sys
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -359,18 +359,31 @@ class RadixCache:
                 f"{self.total_size} + callers {num_caller_slots} != {self.allocator.num_slots}"
             )
 
-    def pretty_print(self, file: TextIO | None = None, max_tokens: int = 10) -> str:
-        """Write the tree, one node a line: edge length, first tokens, lock_ref; return the text."""
+    def pretty_print(
+        self,
+        file: TextIO | None = None,
+        max_tokens: int = 10,
+        max_depth: int | None = None,
+        max_children: int | None = None,
+        render: Callable[[tuple[int, ...]], str] | None = None,
+    ) -> str:
+        """Write the tree, one node a line: edge length, first tokens (or `render` of them),
+        lock_ref; return the text. Deep or wide trees can be cut to a summary."""
         lines = []
         for namespace, root in self._roots.items():
             lines.append(f"[namespace {namespace!r}] r={root.lock_ref}")
-            stack = [(child, 1) for child in reversed(list(root.children.values()))]
+            stack = [(child, 1) for child in reversed(self._shown(root, max_children, lines, 1))]
             while stack:
                 node, level = stack.pop()
-                head = list(node.key[:max_tokens])
+                first = node.key[:max_tokens]
                 more = "..." if len(node.key) > max_tokens else ""
+                head = repr(render(first)) if render else str(list(first))
                 lines.append(f"{'  ' * level}len={len(node.key)} {head}{more} r={node.lock_ref}")
-                stack.extend((c, level + 1) for c in reversed(list(node.children.values())))
+                if max_depth is None or level < max_depth:
+                    shown = self._shown(node, max_children, lines, level + 1)
+                    stack.extend((c, level + 1) for c in reversed(shown))
+                elif node.children:
+                    lines.append(f"{'  ' * (level + 1)}... {len(node.children)} children")
         lines.append(
             f"#tokens: {self.total_size} (evictable {self.evictable_size}, protected "
             f"{self.protected_size}), #nodes: {self.num_nodes}"
@@ -378,6 +391,14 @@ class RadixCache:
         text = "\n".join(lines)
         print(text, file=file or sys.stdout)
         return text
+
+    @staticmethod
+    def _shown(node: TreeNode, max_children: int | None, lines: list[str], level: int) -> list:
+        children = list(node.children.values())
+        if max_children is not None and len(children) > max_children:
+            lines.append(f"{'  ' * level}({len(children) - max_children} more children hidden)")
+            return sorted(children, key=lambda c: -len(c.key))[:max_children]  # longest first
+        return children
 
     # ---------------------------------------------------------------- internals
     def _init_tree(self) -> None:

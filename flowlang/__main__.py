@@ -1,0 +1,7 @@
+"""`python -m flowlang demo`."""
+
+import sys
+
+from flowlang.cli import main
+
+sys.exit(main())
