@@ -137,6 +137,7 @@ class Engine:
             self.config.chunked_prefill_tokens,
             self.config.max_running_requests,
             self.config.seed,
+            self.config.record_trace,
         )
         self._rng = torch.Generator().manual_seed(self.config.seed)
         self._arrivals = itertools.count()
@@ -218,6 +219,11 @@ class Engine:
             lambda: cache.pretty_print(io.StringIO(), max_tokens, max_depth, max_children, render)
         )
 
+    def cache_trace(self) -> list[tuple]:
+        """The recorded access trace (EngineConfig.record_trace): ("access", namespace, ids,
+        match_limit) at each admission and ("insert", namespace, ids) at each tree insert."""
+        return self._call_in_loop(lambda: list(self.scheduler.trace or ()))
+
     def check_integrity(self) -> None:
         """Assert tree, allocator and scheduler invariants (between steps)."""
         self._call_in_loop(self.scheduler.check_integrity)
@@ -297,7 +303,7 @@ class Engine:
         )
         if gen.generator is None:
             gen.generator = self._rng
-        logprob_start = 1 if params.prompt_logprobs else None
+        logprob_start = (params.logprob_start_len or 1) if params.prompt_logprobs else None
         req = Req(
             rid,
             prompt_ids,

@@ -36,6 +36,12 @@ class SamplingParams(_Frozen):
     logprobs: bool = Field(False, description="return the logprob of each chosen token")
     top_logprobs: int = Field(0, ge=0, le=20, description="also the top-k alternatives per step")
     prompt_logprobs: bool = Field(False, description="logprobs of the prompt tokens computed")
+    logprob_start_len: int | None = Field(
+        None,
+        ge=1,
+        description="prompt logprobs from this position on (default 1); positions "
+        "before it may come from the cache",
+    )
 
     @field_validator("stop", mode="before")
     @classmethod

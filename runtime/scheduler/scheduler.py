@@ -58,6 +58,7 @@ class Scheduler:
         chunked_prefill_tokens: int,
         max_running_requests: int,
         seed: int = 0,
+        record_trace: bool = False,
     ) -> None:
         self.runner = runner
         self.page_size = page_size
@@ -67,6 +68,7 @@ class Scheduler:
         )
         self.policy = SchedulePolicy(schedule_policy, self.cache, seed)
         self.graph_eviction = self.cache is not None and eviction_policy == "graph"
+        self.trace: list[tuple] | None = [] if record_trace else None
         self._future_marked: list = []
         self.chunked_prefill_tokens = chunked_prefill_tokens
         self.max_running_requests = max_running_requests
@@ -226,6 +228,8 @@ class Scheduler:
             req.lock_pos = match.last_node
             req.slots = match.indices.clone()
         req.num_computed = req.num_locked = cached
+        if self.trace is not None:
+            self.trace.append(("access", req.namespace, tuple(req.all_ids), req.match_limit))
         if req.cached_tokens is None:
             req.cached_tokens = cached
         self.counters["cached_tokens"] += cached
@@ -439,6 +443,8 @@ class Scheduler:
             return
         ids = req.all_ids[:n]
         prefix_len = self.cache.insert(ids, req.slots[:n], req.namespace, req.hints.priority)
+        if self.trace is not None:
+            self.trace.append(("insert", req.namespace, tuple(ids[:aligned])))
         if prefix_len > req.num_locked:
             self._free(req.slots[req.num_locked : prefix_len])
         match = self.cache.match_prefix(ids[:aligned], req.namespace)
