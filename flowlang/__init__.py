@@ -10,11 +10,22 @@ from flowlang.errors import (
     ExecutionError,
     FlowlangError,
     InstanceError,
+    InvalidOutputError,
     ProgramError,
     UnknownVariableError,
 )
 from flowlang.graph import PrefixReport, RequestGraph, kv_bytes_per_token
-from flowlang.primitives import assistant, fewshot, gen, role, select, system, user
+from flowlang.primitives import (
+    assistant,
+    fewshot,
+    gen,
+    gen_float,
+    gen_int,
+    role,
+    select,
+    system,
+    user,
+)
 from flowlang.program import Program, program
 from flowlang.state import ProgramState
 
@@ -34,6 +45,7 @@ __all__ = [
     "ExecutionError",
     "FlowlangError",
     "InstanceError",
+    "InvalidOutputError",
     "LocalBackend",
     "MockBackend",
     "PrefixReport",
@@ -45,6 +57,8 @@ __all__ = [
     "assistant",
     "fewshot",
     "gen",
+    "gen_float",
+    "gen_int",
     "get_default_backend",
     "kv_bytes_per_token",
     "program",

@@ -22,6 +22,11 @@ class ExecutionError(FlowlangError):
     """A node failed while running (the backend's error is chained)."""
 
 
+class InvalidOutputError(ExecutionError):
+    """A typed gen (schema, gen_int, ...) whose text does not parse: cut by max_new_tokens, or
+    otherwise incomplete. The raw text and the parser's error are in the message."""
+
+
 class InstanceError(FlowlangError):
     """One instance of run_batch failed; carries its exception and traceback text."""
 

@@ -16,7 +16,13 @@ from typing import Any
 
 from flowlang.backends.base import Backend, PinLease
 from flowlang.content import Content, Renderer
-from flowlang.errors import ExecutionError, ProgramError, UnknownVariableError
+from flowlang.errors import (
+    ExecutionError,
+    FlowlangError,
+    InvalidOutputError,
+    ProgramError,
+    UnknownVariableError,
+)
 from flowlang.ir import Fork, Gen, Join, Node, RoleBegin, RoleEnd, Select, Text
 from runtime.protocol import GenerateRequest, GraphHints, ScoreRequest
 
@@ -136,6 +142,8 @@ class StreamExecutor:
         self._events[name].wait()
         if name not in self.variables:
             cause = self.error or self.ctx.error
+            if isinstance(cause, FlowlangError):
+                raise cause
             raise ExecutionError(f"{name!r} was not produced: {cause!r}") from cause
         return self.variables[name]
 
@@ -144,6 +152,8 @@ class StreamExecutor:
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0)
         cause = self.error or self.ctx.error
+        if isinstance(cause, FlowlangError):
+            raise cause  # already says what went wrong
         if cause is not None:
             raise ExecutionError(f"program failed: {cause!r}") from cause
 
@@ -205,6 +215,7 @@ class StreamExecutor:
         request = GenerateRequest(
             input_ids=list(self.content.ids),
             sampling=node.params,
+            constraint=node.constraint,
             hints=self._hints(),
             namespace=self.ctx.namespace,
         )
@@ -222,18 +233,32 @@ class StreamExecutor:
         elif result.matched_stop is not None and ids and ids[-1] == result.matched_stop:
             ids = ids[:-1]  # the stop token is markup, not content (roles add their own)
         self.content.append(result.text, ids)
-        self._define(
-            node.name,
-            result.text,
-            {
-                "prompt_tokens": result.prompt_tokens,
-                "cached_tokens": result.cached_tokens,
-                "completion_tokens": result.completion_tokens,
-                "finish_reason": result.finish_reason,
-                "output_ids": list(result.output_ids),
-                "logprobs": result.logprobs,
-            },
-        )
+        meta = {
+            "prompt_tokens": result.prompt_tokens,
+            "cached_tokens": result.cached_tokens,
+            "completion_tokens": result.completion_tokens,
+            "finish_reason": result.finish_reason,
+            "output_ids": list(result.output_ids),
+            "logprobs": result.logprobs,
+            "raw_text": result.text,
+        }
+        value = result.text
+        if node.parse is not None:
+            try:
+                value = node.parse(result.text)
+            except ValueError as err:  # pydantic's ValidationError is a ValueError
+                self.meta[node.name] = meta
+                cut = (
+                    f"cut by max_new_tokens={node.params.max_new_tokens}"
+                    if result.finish_reason == "length"
+                    else f"ended by {result.finish_reason}"
+                )
+                raise InvalidOutputError(
+                    f"gen({node.name!r}) {cut} after {result.completion_tokens} tokens; its text "
+                    f"is not a valid {node.parse_label}: {str(err).splitlines()[0]}; raw text: "
+                    f"{result.text!r}"
+                ) from err
+        self._define(node.name, value, meta)
 
     def _select(self, node: Select) -> None:
         from flowlang.select import choose

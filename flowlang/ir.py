@@ -6,9 +6,11 @@ dispatches on node kind to run them; `flowlang.graph` prints and measures them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from runtime.protocol import SamplingParams
+from runtime.protocol import Constraint, SamplingParams
 
 SELECT_METHODS = ("token_length_normalized", "greedy", "unconditional_likelihood_normalized")
 
@@ -32,6 +34,9 @@ class RoleEnd:
 class Gen:
     name: str
     params: SamplingParams = field(default_factory=SamplingParams)
+    constraint: Constraint | None = None
+    parse: Callable[[str], Any] | None = None  # text -> the value s[name] holds (typed gens)
+    parse_label: str = ""  # what `parse` produces, for error messages
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -9,20 +11,96 @@ import jinja2
 
 from flowlang.errors import ProgramError
 from flowlang.ir import SELECT_METHODS, Gen, Node, RoleBegin, RoleEnd, Select, Text
-from runtime.protocol import SamplingParams
+from runtime.protocol import Constraint, SamplingParams
+
+INT_REGEX = r"-?(0|[1-9][0-9]{0,17})"
+FLOAT_REGEX = r"-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,8})?"
 
 
-def gen(name: str, **sampling: Any) -> Gen:
+def gen(
+    name: str,
+    *,
+    regex: str | None = None,
+    schema: type | dict | None = None,
+    choices: Sequence[str] | None = None,
+    grammar: str | None = None,
+    **sampling: Any,
+) -> Gen:
     """Generate into variable `name`; keyword arguments are SamplingParams fields.
 
-    >>> gen("answer", max_new_tokens=32, stop="\\n").params.max_new_tokens
+    Constrain the text with one of `regex`, `schema` (a pydantic model class: s[name] is then a
+    validated instance; or a JSON-schema dict: a parsed dict), `choices` or an EBNF `grammar`.
+
+    >>> gen("answer", max_new_tokens=32, stop="\n").params.max_new_tokens
     32
     """
     _check_name(name)
     try:
-        return Gen(name, SamplingParams(**sampling))
+        params = SamplingParams(**sampling)
     except ValueError as err:
         raise ProgramError(f"gen({name!r}): {err}") from err
+    given = {
+        k: v
+        for k, v in (
+            ("regex", regex),
+            ("schema", schema),
+            ("choices", choices),
+            ("grammar", grammar),
+        )
+        if v is not None
+    }
+    if len(given) > 1:
+        raise ProgramError(f"gen({name!r}) takes one constraint, got {sorted(given)}")
+    if not given:
+        return Gen(name, params)
+    kind, value = next(iter(given.items()))
+    parse, label = None, ""
+    if kind == "regex":
+        try:
+            re.compile(value)
+        except re.error as err:
+            raise ProgramError(f"gen({name!r}): invalid regex {value!r}: {err}") from err
+        constraint = Constraint(regex=value)
+    elif kind == "schema":
+        constraint, parse, label = _schema_constraint(name, value)
+    elif kind == "choices":
+        if not value or any(not isinstance(c, str) or not c for c in value):
+            raise ProgramError(f"gen({name!r}) choices must be non-empty strings")
+        constraint = Constraint(choices=list(value))
+    else:
+        constraint = Constraint(grammar=value)
+    return Gen(name, params, constraint, parse, label)
+
+
+def gen_int(name: str, **sampling: Any) -> Gen:
+    """Generate an integer; s[name] is an int."""
+    node = gen(name, regex=INT_REGEX, **sampling)
+    return Gen(node.name, node.params, node.constraint, int, "int")
+
+
+def gen_float(name: str, **sampling: Any) -> Gen:
+    """Generate a decimal number; s[name] is a float."""
+    node = gen(name, regex=FLOAT_REGEX, **sampling)
+    return Gen(node.name, node.params, node.constraint, float, "float")
+
+
+def _schema_constraint(name: str, schema: Any):
+    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
+        return (
+            Constraint(json_schema=schema.model_json_schema()),
+            schema.model_validate_json,
+            schema.__name__,
+        )
+    if isinstance(schema, dict):
+        try:
+            json.dumps(schema)
+        except (TypeError, ValueError) as err:
+            raise ProgramError(f"gen({name!r}): the JSON schema is not JSON: {err}") from err
+        return Constraint(json_schema=schema), json.loads, "JSON"
+    raise ProgramError(
+        f"gen({name!r}): schema must be a pydantic model class or a JSON-schema "
+        f"dict, got {type(schema).__name__}"
+    )
 
 
 def select(name: str, choices: Sequence[str], method: str = "token_length_normalized") -> Select:

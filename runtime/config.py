@@ -40,6 +40,9 @@ class EngineConfig(BaseModel):
     max_running_requests: int = Field(256, ge=1)
     attention_backend: str = "auto"
     seed: int = Field(0, description="seeds sampling of requests that have no seed of their own")
+    enable_jump_forward: bool = Field(
+        True, description="append grammar-forced text without sampling (constrained requests)"
+    )
     record_trace: bool = Field(
         False, description="keep the cache access trace (admissions, inserts) for offline replay"
     )

@@ -138,8 +138,11 @@ class Engine:
             self.config.max_running_requests,
             self.config.seed,
             self.config.record_trace,
+            self.config.enable_jump_forward,
         )
         self._rng = torch.Generator().manual_seed(self.config.seed)
+        self._grammars = None
+        self._grammar_lock = threading.Lock()
         self._arrivals = itertools.count()
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._closed = False
@@ -152,10 +155,12 @@ class Engine:
         """Queue a request; returns at once. Invalid requests raise InvalidRequestError."""
         self._check_open()
         prompt_ids = self._prompt_ids(request)
+        constraint = self._constraint_state(request)
         handle = RequestHandle(self, request.rid)
         req = self._make_req(
             request.rid, prompt_ids, request.sampling, request.namespace, request.hints, handle
         )
+        req.gen.constraint = constraint
         if request.sampling.max_new_tokens == 0:
             req.kind = ReqKind.PREFILL
         self._run_in_loop(lambda: self.scheduler.add(req))
@@ -245,12 +250,32 @@ class Engine:
         self.close()
 
     # ------------------------------------------------------------------ requests
+    @property
+    def grammars(self) -> Any:
+        """The grammar cache (xgrammar), made on first use."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError("constrained generation needs a tokenizer")
+                from runtime.model.constrained import GrammarCache
+
+                self._grammars = GrammarCache(
+                    self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids
+                )
+            return self._grammars
+
+    def _constraint_state(self, request: GenerateRequest) -> Any:
+        """Compile the request's constraint now, so a bad one fails at submit."""
+        if request.constraint is None:
+            return None
+        from runtime.model.constrained import InvalidConstraintError
+
+        try:
+            return self.grammars.new_state(request.constraint)
+        except InvalidConstraintError as err:
+            raise InvalidRequestError(str(err)) from err
+
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
-        if request.constraint is not None:
-            raise InvalidRequestError(
-                "constrained generation (regex / JSON schema / choices / grammar) is not "
-                "supported by this engine version yet"
-            )
         ids = (
             list(request.input_ids)
             if request.input_ids is not None
@@ -526,6 +551,7 @@ class Engine:
             "cache_nodes": cache.num_nodes if cache else 0,
             "schedule_rematches_total": scheduler.policy.num_rematches,
             "new_token_ratio": scheduler.new_token_ratio,
+            "jump_forward_tokens_total": c["jump_forward_tokens"],
         }
 
 

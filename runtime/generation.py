@@ -46,6 +46,7 @@ class GenerationState:
             else None
         )
         # sampler state
+        self.constraint: Any = None  # a ConstraintState (runtime.model.constrained) or None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -69,10 +70,13 @@ class GenerationState:
         token_id: int,
         logprob: float | None = None,
         top_logprobs: list[tuple[int, float]] | None = None,
+        forced: bool = False,
     ) -> None:
-        """Record one sampled token and apply the stop rules."""
+        """Record one token (sampled, or `forced` by the grammar) and apply the stop rules."""
         if self.finished:
             raise RuntimeError("append() after the generation finished")
+        if self.constraint is not None and not forced and not self.constraint.accept(token_id):
+            raise RuntimeError(f"token {token_id} violates the request's constraint")
         params = self.params
         self.output_ids.append(token_id)
         if logprob is not None:

@@ -30,9 +30,15 @@ def sample(logits: torch.Tensor, rows: Sequence[GenerationState]) -> SampleOutpu
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
     penalized = [i for i, r in enumerate(rows) if r.params.needs_penalties]
-    if penalized:
+    constrained = [r.constraint for r in rows]
+    if penalized or any(c is not None for c in constrained):
         logits = logits.clone()
+    if penalized:
         _apply_penalties(logits, penalized, rows)
+    if any(c is not None for c in constrained):
+        from runtime.model.constrained import apply_constraints
+
+        apply_constraints(logits, constrained)
 
     chosen = torch.empty(num_rows, dtype=torch.int64)
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]

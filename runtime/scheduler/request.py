@@ -113,7 +113,9 @@ class Req:
 
     @property
     def is_decoding(self) -> bool:
-        return bool(self.gen.output_ids) and self.num_computed == self.num_tokens - 1
+        """Prompt computed, output under way: each step feeds what was generated since (one
+        sampled token, or more after a jump-forward)."""
+        return bool(self.gen.output_ids) and self.num_computed >= len(self.prompt_ids)
 
     @property
     def remaining_new_tokens(self) -> int:

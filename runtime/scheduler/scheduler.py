@@ -59,6 +59,7 @@ class Scheduler:
         max_running_requests: int,
         seed: int = 0,
         record_trace: bool = False,
+        jump_forward: bool = True,
     ) -> None:
         self.runner = runner
         self.page_size = page_size
@@ -69,6 +70,7 @@ class Scheduler:
         self.policy = SchedulePolicy(schedule_policy, self.cache, seed)
         self.graph_eviction = self.cache is not None and eviction_policy == "graph"
         self.trace: list[tuple] | None = [] if record_trace else None
+        self.jump_forward = jump_forward
         self._future_marked: list = []
         self.chunked_prefill_tokens = chunked_prefill_tokens
         self.max_running_requests = max_running_requests
@@ -89,6 +91,7 @@ class Scheduler:
                 "steps",
                 "peak_used_slots",
                 "prefill_waits",
+                "jump_forward_tokens",
             ),
             0,
         )
@@ -161,7 +164,11 @@ class Scheduler:
     def _schedule(self) -> list[_Entry]:
         while True:
             self._ensure_decode_slots()
-            entries = [_Entry(r, 1, True, False, True) for r in self.running if r.is_decoding]
+            entries = [
+                _Entry(r, r.num_tokens - r.num_computed, True, False, True)
+                for r in self.running
+                if r.is_decoding
+            ]
             budget = self.chunked_prefill_tokens
             for req in [r for r in self.running if not r.is_decoding]:
                 num_new = min(req.target_len - req.num_computed, budget)
@@ -326,11 +333,11 @@ class Scheduler:
     def _ensure_decode_slots(self) -> None:
         """Give every decoding request a slot for this step, retracting others if needed."""
         while True:
-            needy = [r for r in self.running if r.is_decoding and r.capacity <= r.num_computed]
-            needed = len(needy) * self.page_size
-            if self._make_room(needed):
+            needy = [r for r in self.running if r.is_decoding and r.capacity < r.num_tokens]
+            pages = [-(-(r.num_tokens - r.capacity) // self.page_size) for r in needy]
+            if self._make_room(sum(pages) * self.page_size):
                 for req in needy:
-                    self._grow(req, req.num_computed + 1)
+                    self._grow(req, req.num_tokens)
                 return
             if len(self.running) == 1:
                 (req,) = self.running
@@ -370,7 +377,9 @@ class Scheduler:
             first_row, row = row, row + num_rows
             start = req.num_computed
             req.num_computed += entry.num_new
-            self.counters["decode_tokens" if entry.is_decode else "prefill_tokens"] += entry.num_new
+            prompt_part = max(0, min(req.num_computed, len(req.prompt_ids)) - start)
+            self.counters["prefill_tokens"] += prompt_part  # prompt positions
+            self.counters["decode_tokens"] += entry.num_new - prompt_part  # generated ones
             if entry.all_logits:
                 self._record_prompt_logprobs(req, start, logits[first_row:row])
             if req.num_computed < req.target_len:
@@ -389,10 +398,24 @@ class Scheduler:
             out = sample(logits[[i for _, i in to_sample]], [r.gen for r in reqs])
             for i, req in enumerate(reqs):
                 req.gen.append(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
+                if req.gen.constraint is not None and self.jump_forward:
+                    self._jump_forward(req)
                 if req.on_delta:
                     req.on_delta(req)
                 if req.gen.finished:
                     self._finish(req, req.gen.finish_reason)
+
+    def _jump_forward(self, req: Req) -> None:
+        """Append what the grammar forces next; the next step computes it as one extend."""
+        gen = req.gen
+        if gen.finished:
+            return
+        forced = gen.constraint.jump_forward()
+        for token_id in forced:
+            gen.append(token_id, forced=True)
+            self.counters["jump_forward_tokens"] += 1
+            if gen.finished:
+                break
 
     def _record_prompt_logprobs(self, req: Req, start: int, rows: torch.Tensor) -> None:
         """rows[i] are the logits at position start + i, predicting token start + i + 1."""
