@@ -37,6 +37,10 @@ def __getattr__(name: str):
         from flowlang.backends.local import LocalBackend
 
         return LocalBackend
+    if name == "RemoteBackend":
+        from flowlang.backends.remote import RemoteBackend
+
+        return RemoteBackend
     raise AttributeError(name)
 
 
@@ -47,6 +51,7 @@ __all__ = [
     "InstanceError",
     "InvalidOutputError",
     "LocalBackend",
+    "RemoteBackend",
     "MockBackend",
     "PrefixReport",
     "Program",

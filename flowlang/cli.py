@@ -20,10 +20,52 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--show", type=int, default=2, help="conversations to print")
     demo.add_argument("--max-kv-tokens", type=int, default=60_000)
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    serve = commands.add_parser("serve", help="serve the engine over HTTP (SGLang and OpenAI APIs)")
+    serve.add_argument("--model", default="smollm2-135m-instruct")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="require this Bearer key (repeat for several tenants)",
+    )
+    serve.add_argument("--max-kv-tokens", type=int, default=None)
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    serve.add_argument("--schedule-policy", default="fcfs")
+    serve.add_argument("--eviction-policy", default="lru")
+    serve.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    serve.add_argument("--pin-lease-seconds", type=float, default=30.0)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return run_demo(args)
+    if args.command == "serve":
+        return run_serve(args)
     return 2
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from runtime.config import EngineConfig
+    from runtime.server.app import ServerSettings, serve
+
+    config = EngineConfig(
+        model=args.model,
+        max_kv_tokens=args.max_kv_tokens,
+        dtype=args.dtype,
+        schedule_policy=args.schedule_policy,
+        eviction_policy=args.eviction_policy,
+    )
+    serve(
+        config,
+        ServerSettings(
+            host=args.host,
+            port=args.port,
+            api_keys=tuple(args.api_key),
+            max_body_bytes=args.max_body_bytes,
+            pin_lease_seconds=args.pin_lease_seconds,
+        ),
+    )
+    return 0
 
 
 def run_demo(args: argparse.Namespace) -> int:

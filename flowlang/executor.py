@@ -261,7 +261,7 @@ class StreamExecutor:
         self._define(node.name, value, meta)
 
     def _select(self, node: Select) -> None:
-        from flowlang.select import choose
+        from flowlang.selection import choose
 
         if not self.content.ids:
             raise ProgramError(f"select({node.name!r}) needs a prompt: add text first")

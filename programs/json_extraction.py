@@ -42,9 +42,11 @@ def make_inputs(tokenizer, size: str = "test", seed: int = 0) -> list[Document]:
     for _ in range(SIZES[size]):
         name, product = rng.choice(CUSTOMERS), rng.choice(PRODUCTS)
         order = rng.randint(10000, 99999)
-        header = (f"From: {name}\nSubject: order {order}\n\nHello, my name is {name} and I am "
-                  f"writing about order {order}, {product}. It arrived damaged and I would like "
-                  f"a refund as soon as possible. ")
+        header = (
+            f"From: {name}\nSubject: order {order}\n\nHello, my name is {name} and I am "
+            f"writing about order {order}, {product}. It arrived damaged and I would like "
+            f"a refund as soon as possible. "
+        )
         body = text.paragraph(DOCUMENT_TOKENS - text.count_tokens(header))
         documents.append(Document(header + body, name, order, product.removeprefix("the ")))
     return documents
@@ -54,5 +56,6 @@ def make_inputs(tokenizer, size: str = "test", seed: int = 0) -> list[Document]:
 def json_extraction(s, document: Document, temperature: float = 0.0, seed: int | None = None):
     s += system("You read support emails and extract the ticket as JSON.")
     s += user(f"{document.text}\n\nExtract the ticket as JSON.")
-    s += assistant(gen("ticket", schema=TicketInfo, max_new_tokens=256,
-                       temperature=temperature, seed=seed))
+    s += assistant(
+        gen("ticket", schema=TicketInfo, max_new_tokens=256, temperature=temperature, seed=seed)
+    )

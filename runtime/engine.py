@@ -16,6 +16,7 @@ import itertools
 import queue
 import sys
 import threading
+import time
 import traceback
 import uuid
 import weakref
@@ -61,13 +62,20 @@ _DONE = object()
 
 
 class RequestHandle:
-    """A submitted request: `result()` waits for it, iterating yields its text as it streams."""
+    """A submitted request: `result()` waits for it, iterating yields its text as it streams.
 
-    def __init__(self, engine: Engine, rid: str) -> None:
+    Made with an event loop (`submit(..., loop=...)`), it streams to `astream()` instead.
+    """
+
+    def __init__(
+        self, engine: Engine, rid: str, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
         self.rid = rid
         self.future: Future[GenerateResult] = Future()
         self._engine = engine
+        self._loop = loop
         self._deltas: queue.Queue = queue.Queue()
+        self._adeltas: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
 
     def result(self, timeout: float | None = None) -> GenerateResult:
         return self.future.result(timeout)
@@ -77,11 +85,24 @@ class RequestHandle:
 
     def __iter__(self) -> Iterator[str]:
         """Text deltas as they become final (stop strings are never shown)."""
+        if self._adeltas is not None:
+            raise RuntimeError("this handle streams to astream() (it was made with a loop)")
         while (delta := self._deltas.get()) is not _DONE:
+            yield delta
+
+    async def astream(self):
+        """Text deltas, for handles submitted with an event loop."""
+        while (delta := await self._adeltas.get()) is not _DONE:
             yield delta
 
     def cancel(self) -> None:
         self._engine.abort(self.rid)
+
+    def _put(self, item: Any) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._adeltas.put_nowait, item)
+        else:
+            self._deltas.put(item)
 
 
 class PinHandle:
@@ -151,12 +172,15 @@ class Engine:
         self._thread.start()
 
     # ------------------------------------------------------------------ public API
-    def submit(self, request: GenerateRequest) -> RequestHandle:
-        """Queue a request; returns at once. Invalid requests raise InvalidRequestError."""
+    def submit(
+        self, request: GenerateRequest, loop: asyncio.AbstractEventLoop | None = None
+    ) -> RequestHandle:
+        """Queue a request; returns at once. Invalid requests raise InvalidRequestError.
+        With `loop`, the handle streams to `astream()` on that event loop."""
         self._check_open()
         prompt_ids = self._prompt_ids(request)
         constraint = self._constraint_state(request)
-        handle = RequestHandle(self, request.rid)
+        handle = RequestHandle(self, request.rid, loop)
         req = self._make_req(
             request.rid, prompt_ids, request.sampling, request.namespace, request.hints, handle
         )
@@ -233,11 +257,15 @@ class Engine:
         """Assert tree, allocator and scheduler invariants (between steps)."""
         self._call_in_loop(self.scheduler.check_integrity)
 
-    def close(self) -> None:
-        """Abort everything in flight, release all memory and stop the loop thread."""
+    def close(self, drain_timeout: float = 0.0) -> None:
+        """Stop accepting; let in-flight requests finish for up to `drain_timeout` seconds,
+        abort the rest, release every slot and pin, and stop the loop thread."""
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + drain_timeout
+        while self.scheduler.has_work() and time.monotonic() < deadline:
+            time.sleep(0.02)
         self._commands.put(self._abort_everything)
         self._stop.set()
         self._commands.put(lambda: None)
@@ -565,12 +593,12 @@ def _maybe_tokenizer(path) -> Any:
 def _push_delta(handle: RequestHandle, req: Req) -> None:
     delta = req.gen.stream_delta()
     if delta:
-        handle._deltas.put(delta)
+        handle._put(delta)
 
 
 def _deliver(handle: RequestHandle, req: Req, result: GenerateResult) -> None:
     _push_delta(handle, req)
-    handle._deltas.put(_DONE)
+    handle._put(_DONE)
     handle.future.set_result(result)
 
 

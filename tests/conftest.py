@@ -91,3 +91,50 @@ def tiny_model_dir(tmp_path_factory, default_model_path):
         if (default_model_path / name).exists():
             shutil.copy(default_model_path / name, folder / name)
     return folder
+
+
+class ServerThread:
+    """`flowlang serve` in a background thread on a free loopback port."""
+
+    def __init__(self, engine, **settings) -> None:
+        import socket
+        import threading
+
+        import uvicorn
+
+        from runtime.server.app import ServerSettings, create_app
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.engine = engine
+        self.app = create_app(engine, ServerSettings(port=port, **settings))
+        self.url = f"http://127.0.0.1:{port}"
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            import time
+
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    """The tiny model behind a live HTTP server (one per test module)."""
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+
+    thread = ServerThread(
+        Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=20_000)),
+        pin_lease_seconds=30.0,
+    )
+    yield thread
+    thread.stop()

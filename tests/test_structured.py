@@ -55,16 +55,30 @@ def test_w5_outputs_validate_with_sampling_and_seeds(tiny_model_dir):
 
 def test_mixed_batch_of_constraints_and_free_requests(tiny_model_dir):
     requests = [
-        GenerateRequest(text="Call", constraint=Constraint(regex=PHONE),
-                        sampling=SamplingParams(temperature=0.7, seed=1, max_new_tokens=30)),
-        GenerateRequest(text="Colour:", constraint=Constraint(choices=["red", "green", "blue"]),
-                        sampling=SamplingParams(temperature=0.7, seed=2, max_new_tokens=10)),
-        GenerateRequest(text="Free text", sampling=SamplingParams(temperature=0, max_new_tokens=8,
-                                                                  ignore_eos=True)),
-        GenerateRequest(text="Data:", constraint=Constraint(json_schema=Small.model_json_schema()),
-                        sampling=SamplingParams(temperature=0.7, seed=3, max_new_tokens=80)),
-        GenerateRequest(text="Yes?", constraint=Constraint(grammar='root ::= "yes" | "no"'),
-                        sampling=SamplingParams(temperature=0, max_new_tokens=5)),
+        GenerateRequest(
+            text="Call",
+            constraint=Constraint(regex=PHONE),
+            sampling=SamplingParams(temperature=0.7, seed=1, max_new_tokens=30),
+        ),
+        GenerateRequest(
+            text="Colour:",
+            constraint=Constraint(choices=["red", "green", "blue"]),
+            sampling=SamplingParams(temperature=0.7, seed=2, max_new_tokens=10),
+        ),
+        GenerateRequest(
+            text="Free text",
+            sampling=SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True),
+        ),
+        GenerateRequest(
+            text="Data:",
+            constraint=Constraint(json_schema=Small.model_json_schema()),
+            sampling=SamplingParams(temperature=0.7, seed=3, max_new_tokens=80),
+        ),
+        GenerateRequest(
+            text="Yes?",
+            constraint=Constraint(grammar='root ::= "yes" | "no"'),
+            sampling=SamplingParams(temperature=0, max_new_tokens=5),
+        ),
     ]
     with engine(tiny_model_dir) as eng:
         phone, colour, free, data, yes = eng.generate(requests)
@@ -87,8 +101,12 @@ def test_typed_gens_in_programs(tiny_model_dir):
         s += " colour "
         s += gen("c", choices=["red", "blue"], temperature=0)
         s += " json "
-        s += gen("d", schema={"type": "object", "properties": {"k": {"type": "boolean"}},
-                              "required": ["k"]}, max_new_tokens=20, temperature=0)
+        s += gen(
+            "d",
+            schema={"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"]},
+            max_new_tokens=20,
+            temperature=0,
+        )
 
     with engine(tiny_model_dir) as eng:
         state = typed.run(backend=LocalBackend(eng))
@@ -116,10 +134,17 @@ def test_invalid_constraints_fail_before_running_and_alone(tiny_model_dir):
         gen("x", regex="a", choices=["a"])
     with engine(tiny_model_dir) as eng:
         bad_regex = GenerateRequest(text="x", constraint=Constraint(regex="(a"))
-        bad_schema = GenerateRequest(text="x", constraint=Constraint(
-            json_schema={"type": "object", "properties": {"a": {"type": "no-such-type"}}}))
-        good = GenerateRequest(text="x", constraint=Constraint(choices=["ok"]),
-                               sampling=SamplingParams(max_new_tokens=4))
+        bad_schema = GenerateRequest(
+            text="x",
+            constraint=Constraint(
+                json_schema={"type": "object", "properties": {"a": {"type": "no-such-type"}}}
+            ),
+        )
+        good = GenerateRequest(
+            text="x",
+            constraint=Constraint(choices=["ok"]),
+            sampling=SamplingParams(max_new_tokens=4),
+        )
         results = eng.generate([bad_regex, good, bad_schema])
         assert [r.finish_reason for r in results] == ["error", "stop", "error"]
         assert "invalid regex" in results[0].error and "invalid json_schema" in results[2].error
@@ -129,23 +154,34 @@ def test_invalid_constraints_fail_before_running_and_alone(tiny_model_dir):
 
 
 def test_grammars_compile_once_per_process(tiny_model_dir):
-    request = GenerateRequest(text="x", constraint=Constraint(json_schema=Small.model_json_schema()),
-                              sampling=SamplingParams(max_new_tokens=40, temperature=0))
+    request = GenerateRequest(
+        text="x",
+        constraint=Constraint(json_schema=Small.model_json_schema()),
+        sampling=SamplingParams(max_new_tokens=40, temperature=0),
+    )
     with engine(tiny_model_dir) as eng:
         eng.generate([request, request])
         eng.generate([request])
         assert len(eng.grammars.compile_seconds) == 1
 
 
-@pytest.mark.parametrize("constraint", [
-    Constraint(json_schema=Small.model_json_schema()),
-    Constraint(json_schema=TicketInfo.model_json_schema()),
-    Constraint(regex=r'\{"name": "[a-z]{1,8}", "id": [0-9]{3}\}'),
-])
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        Constraint(json_schema=Small.model_json_schema()),
+        Constraint(json_schema=TicketInfo.model_json_schema()),
+        Constraint(regex=r'\{"name": "[a-z]{1,8}", "id": [0-9]{3}\}'),
+    ],
+)
 def test_jump_forward_equals_token_by_token_with_fewer_passes(tiny_model_dir, constraint):
-    requests = [GenerateRequest(text=f"Record {i}:", constraint=constraint,
-                                sampling=SamplingParams(temperature=0, max_new_tokens=200))
-                for i in range(3)]
+    requests = [
+        GenerateRequest(
+            text=f"Record {i}:",
+            constraint=constraint,
+            sampling=SamplingParams(temperature=0, max_new_tokens=200),
+        )
+        for i in range(3)
+    ]
     outputs, passes = {}, {}
     for jump in (True, False):
         with engine(tiny_model_dir, enable_jump_forward=jump) as eng:
@@ -165,13 +201,17 @@ def test_jump_forward_equals_token_by_token_with_fewer_passes(tiny_model_dir, co
 def test_default_model_extracts_sensible_tickets(default_model_path):
     with engine(default_model_path) as eng:
         docs = make_inputs(eng.tokenizer, "test") + make_inputs(eng.tokenizer, "test", 1)[:1]
-        states = json_extraction.run_batch([{"document": d} for d in docs],
-                                           backend=LocalBackend(eng), progress=False)
+        states = json_extraction.run_batch(
+            [{"document": d} for d in docs], backend=LocalBackend(eng), progress=False
+        )
     tickets = [s["ticket"] for s in states]
     assert all(isinstance(t, TicketInfo) for t in tickets)
-    names = sum(t.customer_name.lower() == d.customer.lower() for t, d in zip(tickets, docs,
-                                                                             strict=True))
-    products = sum(d.product.lower() in t.product.lower() or t.product.lower() in d.text.lower()
-                   for t, d in zip(tickets, docs, strict=True))
+    names = sum(
+        t.customer_name.lower() == d.customer.lower() for t, d in zip(tickets, docs, strict=True)
+    )
+    products = sum(
+        d.product.lower() in t.product.lower() or t.product.lower() in d.text.lower()
+        for t, d in zip(tickets, docs, strict=True)
+    )
     assert names >= 3 and products >= 3, tickets
     assert sum(t.issue == "damaged" for t in tickets) >= 3  # every email says it arrived damaged

@@ -49,6 +49,7 @@ def instrumented(timers: Timers):
                 return fn(*args, **kwargs)
             finally:
                 timers.grammar_s += time.perf_counter() - start
+
         return wrapper
 
     step = Scheduler.step
@@ -63,6 +64,7 @@ def instrumented(timers: Timers):
         setattr(owner, name, timed(fn))
     Scheduler.step = timed_step
     import runtime.model.sampler  # noqa: F401 - imports apply_constraints at call time
+
     try:
         yield
     finally:
@@ -73,20 +75,30 @@ def instrumented(timers: Timers):
 
 def run(documents, jump_forward: bool) -> dict:
     timers = Timers()
-    with Engine(EngineConfig(model=MODEL, max_kv_tokens=60_000,
-                             enable_jump_forward=jump_forward)) as engine, instrumented(timers):
+    with (
+        Engine(
+            EngineConfig(model=MODEL, max_kv_tokens=60_000, enable_jump_forward=jump_forward)
+        ) as engine,
+        instrumented(timers),
+    ):
         start = time.perf_counter()
-        states = json_extraction.run_batch([{"document": d} for d in documents],
-                                           backend=LocalBackend(engine), progress=False)
+        states = json_extraction.run_batch(
+            [{"document": d} for d in documents], backend=LocalBackend(engine), progress=False
+        )
         wall = time.perf_counter() - start
         stats = engine.stats()
     valid = sum(isinstance(s["ticket"], TicketInfo) for s in states if hasattr(s, "text"))
     generated = stats["decode_tokens_total"] + len(documents)  # + each first token
-    return {"wall": wall, "passes": stats["forward_passes_total"], "valid": valid,
-            "forced": stats["jump_forward_tokens_total"], "generated": generated,
-            "grammar_us_per_token": timers.grammar_s / generated * 1e6,
-            "grammar_share": timers.grammar_s / sum(timers.step_s),
-            "median_step_ms": statistics.median(timers.step_s) * 1e3}
+    return {
+        "wall": wall,
+        "passes": stats["forward_passes_total"],
+        "valid": valid,
+        "forced": stats["jump_forward_tokens_total"],
+        "generated": generated,
+        "grammar_us_per_token": timers.grammar_s / generated * 1e6,
+        "grammar_share": timers.grammar_s / sum(timers.step_s),
+        "median_step_ms": statistics.median(timers.step_s) * 1e3,
+    }
 
 
 def compile_times(tokenizer_engine: Engine) -> list[tuple[str, float, float]]:
@@ -120,16 +132,22 @@ def main() -> None:
         compiles = compile_times(probe)
     results = {jf: run(documents, jf) for jf in (False, True)}
     print(f"\nW5 JSON extraction, {len(documents)} documents, {MODEL}, fp32, greedy\n")
-    print("| jump-forward | wall s | forward passes | forced tokens | valid | median step ms "
-          "| grammar us/token | grammar share of step time |")
+    print(
+        "| jump-forward | wall s | forward passes | forced tokens | valid | median step ms "
+        "| grammar us/token | grammar share of step time |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for jf, r in results.items():
-        print(f"| {'on' if jf else 'off'} | {r['wall']:.1f} | {r['passes']} | {r['forced']} | "
-              f"{r['valid']}/{len(documents)} | {r['median_step_ms']:.1f} | "
-              f"{r['grammar_us_per_token']:.0f} | {r['grammar_share']:.1%} |")
+        print(
+            f"| {'on' if jf else 'off'} | {r['wall']:.1f} | {r['passes']} | {r['forced']} | "
+            f"{r['valid']}/{len(documents)} | {r['median_step_ms']:.1f} | "
+            f"{r['grammar_us_per_token']:.0f} | {r['grammar_share']:.1%} |"
+        )
     off, on = results[False], results[True]
-    print(f"\njump-forward: {off['passes'] - on['passes']} fewer forward passes "
-          f"({1 - on['passes'] / off['passes']:.0%}), wall {off['wall'] / on['wall']:.2f}x")
+    print(
+        f"\njump-forward: {off['passes'] - on['passes']} fewer forward passes "
+        f"({1 - on['passes'] / off['passes']:.0%}), wall {off['wall'] / on['wall']:.2f}x"
+    )
     print(f"\ntokenizer info setup (once per engine): {setup_ms:.0f} ms\n")
     print("| grammar | compile ms (cold) | compile ms (cached) |")
     print("| --- | ---: | ---: |")

@@ -30,7 +30,8 @@ class GrammarCache:
         except ImportError as err:
             raise InvalidConstraintError(
                 "constrained generation needs xgrammar: pip install --no-deps xgrammar==0.2.9 "
-                f"(and apache-tvm-ffi) [{err}]") from err
+                f"(and apache-tvm-ffi) [{err}]"
+            ) from err
 
         self._xgr = xgr
         self.tokenizer = tokenizer

@@ -1,0 +1,1 @@
+"""HTTP serving: SGLang-compatible native API, OpenAI API, flowlang's remote protocol."""

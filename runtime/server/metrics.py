@@ -1,0 +1,51 @@
+"""Engine stats as Prometheus text exposition."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+COUNTERS = {
+    "prefill_tokens_total",
+    "decode_tokens_total",
+    "cached_tokens_total",
+    "evicted_tokens_total",
+    "retractions_total",
+    "prefill_waits_total",
+    "requests_finished_total",
+    "requests_aborted_total",
+    "requests_failed_total",
+    "forward_passes_total",
+    "steps_total",
+    "schedule_rematches_total",
+    "jump_forward_tokens_total",
+}
+
+
+def prometheus_text(
+    stats: dict[str, float],
+    http_requests: Counter,
+    http_errors: Counter,
+    num_pins: int,
+    num_expired_pins: int,
+) -> str:
+    lines = []
+    for name, value in sorted(stats.items()):
+        kind = "counter" if name in COUNTERS else "gauge"
+        lines += [f"# TYPE flowlang_{name} {kind}", f"flowlang_{name} {float(value)}"]
+    lines += ["# TYPE flowlang_http_requests_total counter"]
+    lines += [
+        f'flowlang_http_requests_total{{path="{path}"}} {count}'
+        for path, count in sorted(http_requests.items())
+    ]
+    lines += ["# TYPE flowlang_http_errors_total counter"]
+    lines += [
+        f'flowlang_http_errors_total{{status="{status}"}} {count}'
+        for status, count in sorted(http_errors.items())
+    ]
+    lines += [
+        "# TYPE flowlang_http_pins gauge",
+        f"flowlang_http_pins {num_pins}",
+        "# TYPE flowlang_http_pins_expired_total counter",
+        f"flowlang_http_pins_expired_total {num_expired_pins}",
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,72 @@
+"""Pins held over HTTP: owned by a client, kept alive by renewals, released on unpin or when
+the lease runs out (a crashed client never leaves a prefix locked forever)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from runtime.engine import Engine, PinHandle
+
+
+@dataclass
+class Lease:
+    handle: PinHandle
+    owner: str
+    expires_at: float
+    lease_seconds: float
+
+
+class PinLeases:
+    def __init__(self, engine: Engine, default_lease_seconds: float = 30.0) -> None:
+        self.engine = engine
+        self.default_lease_seconds = default_lease_seconds
+        self._leases: dict[str, Lease] = {}
+        self._lock = threading.Lock()
+        self.num_expired = 0
+
+    def add(self, handle: PinHandle, owner: str, lease_seconds: float | None) -> Lease:
+        seconds = lease_seconds or self.default_lease_seconds
+        lease = Lease(handle, owner, time.monotonic() + seconds, seconds)
+        with self._lock:
+            self._leases[handle.pin_id] = lease
+        return lease
+
+    def renew(self, pin_id: str, owner: str) -> Lease:
+        with self._lock:
+            lease = self._owned(pin_id, owner)
+            lease.expires_at = time.monotonic() + lease.lease_seconds
+            return lease
+
+    def release(self, pin_id: str, owner: str) -> None:
+        with self._lock:
+            lease = self._owned(pin_id, owner)
+            del self._leases[pin_id]
+        lease.handle.release()
+
+    def expire(self) -> int:
+        """Release every lease past its time; returns how many."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [pid for pid, lease in self._leases.items() if lease.expires_at < now]
+            leases = [self._leases.pop(pid) for pid in expired]
+        for lease in leases:
+            lease.handle.release()
+        self.num_expired += len(leases)
+        return len(leases)
+
+    def release_all(self) -> None:
+        with self._lock:
+            leases, self._leases = list(self._leases.values()), {}
+        for lease in leases:
+            lease.handle.release()
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def _owned(self, pin_id: str, owner: str) -> Lease:
+        lease = self._leases.get(pin_id)
+        if lease is None or lease.owner != owner:
+            raise KeyError(f"no pin {pin_id!r} held by this client")
+        return lease
