@@ -48,10 +48,8 @@ class Program:
         **kwargs: Any,
     ) -> ProgramState:
         """Run to completion and return the state (a failure raises ExecutionError)."""
-        ctx = RunContext(backend or get_default_backend(), namespace, priority=priority)
-        state = new_state(ctx)
+        ctx, state, result = self._begin(args, kwargs, backend, namespace, priority)
         try:
-            result = self.fn(state, *args, **kwargs)
             if inspect.isawaitable(result):
                 result = asyncio.run(_awaited(result))
             state.return_value = result
@@ -69,10 +67,8 @@ class Program:
         **kwargs: Any,
     ) -> ProgramState:
         """`await program.arun(...)`: native async programs run on the caller's event loop."""
-        ctx = RunContext(backend or get_default_backend(), namespace, priority=priority)
-        state = new_state(ctx)
+        ctx, state, result = self._begin(args, kwargs, backend, namespace, priority)
         try:
-            result = self.fn(state, *args, **kwargs)
             if inspect.isawaitable(result):
                 result = await result
             state.return_value = result
@@ -80,6 +76,23 @@ class Program:
         finally:
             ctx.close_all()
         return state
+
+    def _begin(
+        self,
+        args: tuple,
+        kwargs: dict,
+        backend: Backend | None,
+        namespace: str | None,
+        priority: int,
+    ) -> tuple[RunContext, ProgramState, Any]:
+        """Start a run: a fresh context and state, and the body called (appending nodes)."""
+        ctx = RunContext(backend or get_default_backend(), namespace, priority=priority)
+        state = new_state(ctx)
+        try:
+            return ctx, state, self.fn(state, *args, **kwargs)
+        except BaseException:
+            ctx.close_all()
+            raise
 
     def compile(self, *args: Any, backend: Backend | None = None, **kwargs: Any) -> RequestGraph:
         """Trace without generating: the request graph, its static prompts and prefix tree."""

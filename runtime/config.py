@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from runtime.cache.eviction import EVICTION_POLICIES
 from runtime.scheduler.policy import SCHEDULE_POLICIES
@@ -47,25 +47,16 @@ class EngineConfig(BaseModel):
         False, description="keep the cache access trace (admissions, inserts) for offline replay"
     )
 
-    @field_validator("schedule_policy")
+    @field_validator("schedule_policy", "eviction_policy", "dtype")
     @classmethod
-    def _known_schedule(cls, value: str) -> str:
-        if value not in SCHEDULE_POLICIES:
-            raise ValueError(f"unknown schedule_policy {value!r}; choose from {SCHEDULE_POLICIES}")
-        return value
-
-    @field_validator("eviction_policy")
-    @classmethod
-    def _known_eviction(cls, value: str) -> str:
-        if value not in EVICTION_POLICIES:
-            raise ValueError(f"unknown eviction_policy {value!r}; choose from {EVICTION_POLICIES}")
-        return value
-
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, value: str) -> str:
-        if value not in DTYPES:
-            raise ValueError(f"unknown dtype {value!r}; choose from {DTYPES}")
+    def _known(cls, value: str, info: ValidationInfo) -> str:
+        choices = {
+            "schedule_policy": SCHEDULE_POLICIES,
+            "eviction_policy": EVICTION_POLICIES,
+            "dtype": DTYPES,
+        }[info.field_name]
+        if value not in choices:
+            raise ValueError(f"unknown {info.field_name} {value!r}; choose from {tuple(choices)}")
         return value
 
     def num_kv_slots(self, kv_bytes_per_token: int) -> int:

@@ -133,10 +133,21 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         base = config or EngineConfig()
         self.config = EngineConfig(**{**base.model_dump(), **overrides}) if overrides else base
-        path = resolve_model(self.config.model)
-        checkpoint = load_checkpoint(path)
+        if self.config.model.startswith("random:"):
+            from runtime.model.random_weights import random_checkpoint
+
+            checkpoint = random_checkpoint(
+                self.config.model,
+                getattr(torch, self.config.dtype),
+                self.config.device,
+                self.config.seed,
+            )
+            self.tokenizer = None
+        else:
+            path = resolve_model(self.config.model)
+            checkpoint = load_checkpoint(path)
+            self.tokenizer = _maybe_tokenizer(path)
         self.arch = ModelArch.from_hf(checkpoint.hf_config)
-        self.tokenizer = _maybe_tokenizer(path)
         num_slots = self.config.num_kv_slots(
             self.arch.kv_bytes_per_token(getattr(torch, self.config.dtype))
         )
@@ -147,6 +158,7 @@ class Engine:
             self.config.dtype,
             self.config.device,
             self.config.attention_backend,
+            self.config.page_size,
         )
         del checkpoint
         self.scheduler = Scheduler(
@@ -580,6 +592,7 @@ class Engine:
             "schedule_rematches_total": scheduler.policy.num_rematches,
             "new_token_ratio": scheduler.new_token_ratio,
             "jump_forward_tokens_total": c["jump_forward_tokens"],
+            "attention_backend": self.runner.attention.name,
         }
 
 

@@ -39,6 +39,7 @@ class ModelRunner:
         dtype: str | torch.dtype = "float32",
         device: str = "cpu",
         attention_backend: str = "auto",
+        page_size: int = 1,
     ) -> None:
         self.arch = arch
         self.dtype = parse_dtype(dtype)
@@ -47,7 +48,9 @@ class ModelRunner:
         self.pool = KVPool(
             arch.num_layers, num_slots, arch.num_kv_heads, arch.head_dim, self.dtype, self.device
         )
-        self.attention = make_attention_backend(attention_backend, self.pool, arch.sliding_windows)
+        self.attention = make_attention_backend(
+            attention_backend, self.pool, arch.sliding_windows, arch.num_heads, page_size
+        )
         self.num_forward_passes = 0
 
     @classmethod

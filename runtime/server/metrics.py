@@ -30,6 +30,9 @@ def prometheus_text(
 ) -> str:
     lines = []
     for name, value in sorted(stats.items()):
+        if not isinstance(value, int | float):
+            lines.append(f'flowlang_{name}_info{{value="{value}"}} 1')
+            continue
         kind = "counter" if name in COUNTERS else "gauge"
         lines += [f"# TYPE flowlang_{name} {kind}", f"flowlang_{name} {float(value)}"]
     lines += ["# TYPE flowlang_http_requests_total counter"]

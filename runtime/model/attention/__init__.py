@@ -10,18 +10,38 @@ from runtime.model.attention.base import AttentionBackend
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
 
 
+def choose_backend(device_type: str, flashinfer_importable: bool) -> str:
+    """What "auto" means where: flashinfer on CUDA when it is installed, else the torch
+    reference (it runs on CUDA too); the native kernel on CPU."""
+    if device_type == "cuda":
+        return "flashinfer" if flashinfer_importable else "torch"
+    return "cpu"
+
+
+def flashinfer_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None
+
+
 def make_attention_backend(
-    name: str, pool: KVPool, sliding_windows: tuple[int | None, ...]
+    name: str,
+    pool: KVPool,
+    sliding_windows: tuple[int | None, ...],
+    num_heads: int = 0,
+    page_size: int = 1,
 ) -> AttentionBackend:
     """The backend called `name` over `pool`; "auto" picks the fastest that works here.
 
     On CPU "auto" is the native kernel ("cpu"); if it cannot be compiled, the reference
-    ("torch", same numerics) is used and the reason printed. The chosen name is `backend.name`.
+    ("torch", same numerics) is used and the reason printed. On CUDA it is flashinfer when
+    installed, else torch. The chosen name is `backend.name` (and in the engine's stats).
     """
     if name == "auto":
-        if pool.device.type != "cpu":
-            name = "torch"  # the GPU issue makes "auto" prefer flashinfer on CUDA
-        else:
+        name = choose_backend(
+            pool.device.type, pool.device.type == "cuda" and flashinfer_importable()
+        )
+        if name == "cpu":
             from runtime.model.attention.cpu_kernels import KernelBuildError, load_cpu_kernels
 
             try:
@@ -43,7 +63,7 @@ def make_attention_backend(
     if name == "flashinfer":
         if pool.device.type != "cuda":
             raise ValueError("the flashinfer attention backend needs a CUDA device; use 'torch'")
-        raise NotImplementedError(
-            "the flashinfer backend is not implemented yet (see the GPU issue); use 'torch'"
-        )
+        from runtime.model.attention.flashinfer_backend import FlashInferAttention
+
+        return FlashInferAttention(pool, sliding_windows, num_heads, page_size)
     raise ValueError(f"unknown attention backend {name!r}; choose one of {ATTENTION_BACKENDS}")
