@@ -43,9 +43,10 @@ def test_prefill_matches(kind):
     assert close(runner.forward(batch), hf_logits(hf, ids)) < TOL
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", FAMILIES)
-def test_extend_after_cached_prefix_at_random_splits(kind):
-    hf, runner, alloc = make(kind)
+def test_extend_after_cached_prefix_at_random_splits(kind, backend):
+    hf, runner, alloc = make(kind, backend)
     rng = random.Random(kind)
     ids = [rng.randrange(512) for _ in range(70)]
     ref = hf_logits(hf, ids)
@@ -128,40 +129,52 @@ def test_unsupported_architecture_is_a_clear_error():
         ModelArch.from_hf(config)
 
 
-def test_decode_kernel_matches_reference_with_window_and_bf16():
-    """The native kernel vs gather + SDPA on ragged, scattered, windowed decodes, fp32 and bf16."""
+def test_paged_kernel_matches_reference_with_window_and_bf16():
+    """The native kernel vs gather + SDPA on ragged, scattered, windowed decodes and short
+    extends (several query rows per sequence), fp32 and bf16."""
     import torch.nn.functional as F
 
     from runtime.model.attention.cpu_kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels()
     gen = torch.Generator().manual_seed(0)
-    lens = [1, 7, 64, 130]
+    kv_lens, q_lens = [1, 7, 64, 130, 40], [1, 3, 1, 17, 40]
     k_pool, v_pool = torch.randn(2, 1000, 2, 16, generator=gen)
-    q = torch.randn(len(lens), 6, 16, generator=gen)
-    slots = torch.randperm(1000, generator=gen)[: sum(lens)]
-    indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    for window in (0, 50):
+    q = torch.randn(sum(q_lens), 6, 16, generator=gen)
+    slots = torch.randperm(1000, generator=gen)[: sum(kv_lens)]
+    kv_indptr = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()])
+    qo_indptr = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    for window in (0, 20):
         expected = []
-        for b in range(len(lens)):
-            rows = (
-                slots[indptr[b] : indptr[b + 1]][-window:]
-                if window
-                else slots[indptr[b] : indptr[b + 1]]
-            )
+        for b, (kv_len, q_len) in enumerate(zip(kv_lens, q_lens, strict=True)):
+            rows = slots[kv_indptr[b] : kv_indptr[b + 1]]
+            q_pos = torch.arange(kv_len - q_len, kv_len)[:, None]
+            k_pos = torch.arange(kv_len)[None, :]
+            mask = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+            qb = q[qo_indptr[b] : qo_indptr[b + 1]]
             expected.append(
                 F.scaled_dot_product_attention(
-                    q[b][None, :, None],
+                    qb.transpose(0, 1)[None],
                     k_pool[rows].transpose(0, 1)[None],
                     v_pool[rows].transpose(0, 1)[None],
+                    attn_mask=mask,
                     enable_gqa=True,
-                )[0, :, 0]
+                )[0].transpose(0, 1)
             )
-        expected = torch.stack(expected)
-        got = kernels.paged_decode(q, k_pool, v_pool, slots, indptr, 16**-0.5, window)
+        expected = torch.cat(expected)
+        got = kernels.paged_attention(
+            q, k_pool, v_pool, slots, kv_indptr, qo_indptr, 16**-0.5, window
+        )
         assert close(got, expected) < 1e-5
-        got16 = kernels.paged_decode(
-            q.bfloat16(), k_pool.bfloat16(), v_pool.bfloat16(), slots, indptr, 16**-0.5, window
+        got16 = kernels.paged_attention(
+            q.bfloat16(),
+            k_pool.bfloat16(),
+            v_pool.bfloat16(),
+            slots,
+            kv_indptr,
+            qo_indptr,
+            16**-0.5,
+            window,
         )
         assert close(got16.float(), expected) < 3e-2
 

@@ -99,7 +99,7 @@ def profile_decode_step(runner: ModelRunner, batch_size: int) -> None:
     groups = {
         "matmuls (linear)": ("linear", "mm", "addmm"),
         "attention gather (index_select)": ("index_select",),
-        "attention kernel (paged decode / sdpa)": ("paged_decode", "scaled_dot_product"),
+        "attention kernel (paged / sdpa)": ("paged_attention", "scaled_dot_product"),
         "KV write (index_copy)": ("index_copy",),
     }
     totals = dict.fromkeys(groups, 0.0)

@@ -309,7 +309,9 @@ class Scheduler:
         return self.allocator.num_free_slots >= num_tokens
 
     def _mark_queued_reads(self) -> None:
-        """ "graph" eviction: the node each waiting request will read gets its queue rank."""
+        """ "graph" eviction: every node on a waiting request's matched path gets the rank of
+        the earliest waiting request that reads it (so a path is not evicted from the bottom
+        up into class "no reader" the moment its leaf goes)."""
         for node in self._future_marked:  # last pass's marks are stale now
             node.future = node.future_base
             self.cache.reprioritize(node)
@@ -317,18 +319,24 @@ class Scheduler:
         for rank, req in enumerate(self.policy.order(list(self.waiting.values()))):
             self.policy.refresh_match(req)
             node = req.match_pos.node
-            if node.parent is not None and not node.evicted:
-                mark = (2, -rank)
-                if node.future is None or node.future < mark:
-                    node.future = mark
-                    self._future_marked.append(node)
-                    self.cache.reprioritize(node)
+            mark = (2, -rank)
+            while node.parent is not None and not node.evicted:
+                if node.future is not None and node.future >= mark:
+                    break  # an earlier request marked this node and its ancestors already
+                node.future = mark
+                self._future_marked.append(node)
+                self.cache.reprioritize(node)
+                node = node.parent
 
     def _mark_continuation(self, req: Req) -> None:
-        """ "graph" eviction: the program will extend this sequence soon."""
-        if self.graph_eviction and req.hints.continuation and req.lock_pos is not None:
-            node = self.cache.resolve(req.lock_pos)
-            node.future_base = node.future = (1, -self.counters["steps"])
+        """ "graph" eviction: the program will extend this sequence soon (its whole path)."""
+        if not (self.graph_eviction and req.hints.continuation and req.lock_pos is not None):
+            return
+        mark = (1, -self.counters["steps"])
+        node = self.cache.resolve(req.lock_pos)
+        while node.parent is not None and (node.future is None or node.future[0] == 1):
+            node.future_base = node.future = mark
+            node = node.parent
 
     def _ensure_decode_slots(self) -> None:
         """Give every decoding request a slot for this step, retracting others if needed."""

@@ -1,4 +1,4 @@
-"""The native CPU attention kernel (csrc/paged_decode.cpp), compiled on first use and cached.
+"""The native CPU attention kernel (csrc/paged_attention.cpp), compiled on first use, cached.
 
 torch.utils.cpp_extension builds it with the machine's compiler (-O3 -march=native, OpenMP
 through ATen's parallel_for) into torch's extension cache; later processes load it in
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 
 
 class KernelBuildError(RuntimeError):
@@ -22,7 +22,8 @@ class KernelBuildError(RuntimeError):
 
 @functools.cache
 def load_cpu_kernels() -> Any:
-    """The ops namespace with `paged_decode(q, k_pool, v_pool, slots, indptr, scale, window)`."""
+    """The ops namespace with `paged_attention(q, k_pool, v_pool, slots, kv_indptr, qo_indptr,
+    scale, window)`."""
     import torch
     from torch.utils.cpp_extension import load
 

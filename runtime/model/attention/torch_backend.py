@@ -37,7 +37,8 @@ class _PaddedDecodes:
 class _PagedDecodes:
     rows: torch.Tensor  # (num_decodes,) token rows
     slots: torch.Tensor  # (sum of seq_lens,) every decode's slot list, concatenated
-    indptr: torch.Tensor  # (num_decodes + 1,) offsets into slots
+    indptr: torch.Tensor  # (num_seqs + 1,) offsets into slots
+    qo_indptr: torch.Tensor  # (num_seqs + 1,) offsets into the group's query rows
 
 
 class TorchAttention(AttentionBackend):
@@ -54,21 +55,30 @@ class TorchAttention(AttentionBackend):
         self._out_slots = batch.out_slots.to(self.pool.device)
         self._num_tokens = batch.num_tokens
         self._extends: list[_Extend] = []
-        decode_rows, decode_slots = [], []
+        decode_rows, decode_slots, decode_lens = [], [], []
         row = 0
         for ext_len, seq_len, slots in zip(
             batch.extend_lens, batch.seq_lens, batch.kv_slots, strict=True
         ):
-            if ext_len == 1 and seq_len > 1:
-                decode_rows.append(row)
+            if self._in_decode_group(ext_len, seq_len):
+                decode_rows.extend(range(row, row + ext_len))
                 decode_slots.append(slots)
+                decode_lens.append(ext_len)
             else:
                 self._extends.append(_Extend(row, ext_len, seq_len - ext_len, slots))
             row += ext_len
-        self._decode = self._plan_decodes(decode_rows, decode_slots) if decode_rows else None
+        self._decode = (
+            self._plan_decodes(decode_rows, decode_slots, decode_lens) if decode_rows else None
+        )
         self._mask_cache: dict[tuple[int, int | None], torch.Tensor | None] = {}
 
-    def _plan_decodes(self, rows: list[int], slots: list[torch.Tensor]) -> _PaddedDecodes:
+    def _in_decode_group(self, ext_len: int, seq_len: int) -> bool:
+        """Sequences attended together by `_attend_decodes` (here: single-token decodes)."""
+        return ext_len == 1 and seq_len > 1
+
+    def _plan_decodes(
+        self, rows: list[int], slots: list[torch.Tensor], extend_lens: list[int]
+    ) -> _PaddedDecodes:
         device = self.pool.device
         seq_lens = torch.tensor([s.numel() for s in slots], device=device)
         padded = pad_sequence(slots, batch_first=True).to(device)
@@ -165,14 +175,17 @@ class TorchAttention(AttentionBackend):
 
 
 class CpuPagedAttention(TorchAttention):
-    """The torch backend with decodes done by a native kernel that reads K/V in place.
+    """The torch backend with decodes and short extends done by a native kernel.
 
     Decode attention is memory-bound; the reference path copies every sequence's K/V out of
     the pool (index_select) and reads it again in SDPA. The kernel reads each row once, in
-    place, with prefetch for scattered slots (about 3x less time per layer at batch 32).
+    place, with prefetch for scattered slots (about 3x less time per layer at batch 32), and
+    handles a few new tokens per sequence too (jump-forward, scoring tails) in the same call.
+    Long extends (prefill chunks) stay with SDPA, which is compute-efficient there.
     """
 
     name = "cpu"
+    max_kernel_extend = 32
 
     def __init__(self, pool, sliding_windows) -> None:
         super().__init__(pool, sliding_windows)
@@ -180,18 +193,26 @@ class CpuPagedAttention(TorchAttention):
 
         self._kernels = load_cpu_kernels()
 
-    def _plan_decodes(self, rows: list[int], slots: list[torch.Tensor]) -> _PagedDecodes:
-        indptr = torch.zeros(len(slots) + 1, dtype=torch.int64)
-        torch.cumsum(torch.tensor([s.numel() for s in slots]), 0, out=indptr[1:])
-        return _PagedDecodes(torch.tensor(rows), torch.cat(slots), indptr)
+    def _in_decode_group(self, ext_len: int, seq_len: int) -> bool:
+        return ext_len <= self.max_kernel_extend
+
+    def _plan_decodes(
+        self, rows: list[int], slots: list[torch.Tensor], extend_lens: list[int]
+    ) -> _PagedDecodes:
+        kv_indptr = torch.zeros(len(slots) + 1, dtype=torch.int64)
+        torch.cumsum(torch.tensor([s.numel() for s in slots]), 0, out=kv_indptr[1:])
+        qo_indptr = torch.zeros(len(slots) + 1, dtype=torch.int64)
+        torch.cumsum(torch.tensor(extend_lens), 0, out=qo_indptr[1:])
+        return _PagedDecodes(torch.tensor(rows), torch.cat(slots), kv_indptr, qo_indptr)
 
     def _attend_decodes(self, layer: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
-        return self._kernels.paged_decode(
+        return self._kernels.paged_attention(
             q.contiguous(),
             self.pool.k[layer],
             self.pool.v[layer],
             self._decode.slots,
             self._decode.indptr,
+            self._decode.qo_indptr,
             q.shape[-1] ** -0.5,
             window or 0,
         )
