@@ -41,6 +41,24 @@ class SupportAgentInputs:
         return f"{self.system_prompt}\n\n{tail}"
 
 
+def first_turn_ids(tokenizer, inputs: SupportAgentInputs) -> list[list[int]]:
+    """Every user's first request as chat-templated token ids (for engine-level tests)."""
+    return [
+        list(
+            tokenizer.apply_chat_template(
+                [
+                    {"role": "system", "content": inputs.system_message(user)},
+                    {"role": "user", "content": user.messages[0]},
+                ],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+        )
+        for user in inputs.users
+    ]
+
+
 def make_inputs(tokenizer, size: str = "test", seed: int = 0) -> SupportAgentInputs:
     """Deterministic W1 inputs; lengths are measured with `tokenizer` (SmolLM2's)."""
     num_users, num_turns = SIZES[size]

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from flowlang.prefix import union_prefix_tokens
-from programs.support_agent import make_inputs
+from programs.support_agent import first_turn_ids, make_inputs
 from runtime.config import EngineConfig
 from runtime.engine import Engine, EngineClosedError, InvalidRequestError
 from runtime.protocol import GenerateRequest, SamplingParams, ScoreRequest
@@ -36,21 +36,7 @@ def w1_prompts(tiny_model_dir):
     from runtime.model.loader import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir)
-    inputs = make_inputs(tokenizer, "test")
-    return [
-        list(
-            tokenizer.apply_chat_template(
-                [
-                    {"role": "system", "content": inputs.system_message(user)},
-                    {"role": "user", "content": user.messages[0]},
-                ],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            )["input_ids"]
-        )
-        for user in inputs.users
-    ]
+    return first_turn_ids(tokenizer, make_inputs(tokenizer, "test"))
 
 
 def engine(tiny_model_dir, **kwargs) -> Engine:

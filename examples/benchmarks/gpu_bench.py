@@ -137,21 +137,7 @@ def w1_prefill(engine) -> tuple[int, int]:
     from runtime.protocol import GenerateRequest, SamplingParams
 
     tokenizer = load_tokenizer(resolve_model("smollm2-135m-instruct"))
-    inputs = support_agent.make_inputs(tokenizer, "bench")
-    prompts = [
-        list(
-            tokenizer.apply_chat_template(
-                [
-                    {"role": "system", "content": inputs.system_message(u)},
-                    {"role": "user", "content": u.messages[0]},
-                ],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            )["input_ids"]
-        )
-        for u in inputs.users
-    ]
+    prompts = support_agent.first_turn_ids(tokenizer, support_agent.make_inputs(tokenizer, "bench"))
     before = engine.stats()["prefill_tokens_total"]
     engine.generate(
         [
