@@ -10,15 +10,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    max_position_embeddings=512,
-)
+from runtime.model.random_weights import PRESETS  # noqa: E402
+
+TINY = dict(PRESETS["tiny"], max_position_embeddings=512)  # 2 layers, hidden 64, vocab 512
 
 
 def tiny_hf_model(kind: str = "llama", seed: int = 0, **overrides):

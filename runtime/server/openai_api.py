@@ -124,6 +124,13 @@ def register(app: FastAPI, server: Server) -> None:
         }
 
 
+def _abort_unfinished(server: Server, handles: list[RequestHandle]) -> None:
+    """A stream that ends early (the client went away) aborts what is still running."""
+    for handle in handles:
+        if not handle.future.done():
+            server.engine.abort(handle.rid)
+
+
 def _checked(results: list[GenerateResult]) -> list[GenerateResult]:
     for result in results:
         if result.finish_reason == "error":
@@ -225,9 +232,7 @@ async def _completion_stream(
                 }
             )
     finally:
-        for handle in handles:
-            if not handle.future.done():
-                server.engine.abort(handle.rid)
+        _abort_unfinished(server, handles)
 
 
 async def _chat_stream(
@@ -269,6 +274,4 @@ async def _chat_stream(
                 }
             )
     finally:
-        for handle in handles:
-            if not handle.future.done():
-                server.engine.abort(handle.rid)
+        _abort_unfinished(server, handles)
