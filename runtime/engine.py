@@ -635,6 +635,7 @@ def _result(req: Req) -> GenerateResult:
         completion_tokens=len(gen.output_ids),
         logprobs=logprobs,
         prompt_logprobs=req.prompt_logprobs if gen.params.prompt_logprobs else None,
+        prompt_ids=list(req.prompt_ids) if gen.params.prompt_logprobs else None,
         error=req.error,
     )
 

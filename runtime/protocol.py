@@ -152,6 +152,7 @@ class GenerateResult(_Frozen):
     completion_tokens: int
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[float | None] | None = None
+    prompt_ids: list[int] | None = Field(None, description="with prompt_logprobs: their tokens")
     error: str | None = None
 
 

@@ -115,9 +115,18 @@ def test_sglang_generate_single_batch_stream_regex_logprobs(client):
     assert len(meta["output_top_logprobs"][0]) == 2
     assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"] - 1
     batch = client.post(
-        "/generate", json={"text": ["a", "b c"], "sampling_params": {"max_new_tokens": 3}}
+        "/generate",
+        json={
+            "text": ["a b", "b c d e"],
+            "sampling_params": {"max_new_tokens": 3},
+            "return_logprob": True,
+            "logprob_start_len": 1,
+        },
     ).json()
     assert isinstance(batch, list) and len(batch) == 2
+    for item in batch:  # input logprobs of every prompt, batch or not
+        meta_b = item["meta_info"]
+        assert len(meta_b["input_token_logprobs"]) == meta_b["prompt_tokens"] - 1
     ids = client.post(
         "/generate",
         json={"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": {"max_new_tokens": 2}},

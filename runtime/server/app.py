@@ -302,18 +302,11 @@ def _native_result(engine: Engine, result: GenerateResult, body: GenerateBody) -
         ]
         if result.prompt_logprobs is not None:
             start = max(1, body.logprob_start_len)
-            ids = body_prompt_ids(engine, body, result)
+            ids = result.prompt_ids
             meta["input_token_logprobs"] = [
                 [result.prompt_logprobs[j], ids[j], text(ids[j])] for j in range(start, len(ids))
             ]
     return {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
-
-
-def body_prompt_ids(engine: Engine, body: GenerateBody, result: GenerateResult) -> list[int]:
-    if body.input_ids is not None and not body.is_batch:
-        return list(body.input_ids)
-    text = body.text if isinstance(body.text, str) else None
-    return engine.tokenizer.encode(text, add_special_tokens=True) if text else []
 
 
 async def _native_stream(
