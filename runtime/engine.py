@@ -176,6 +176,8 @@ class Engine:
         self._rng = torch.Generator().manual_seed(self.config.seed)
         self._grammars = None
         self._grammar_lock = threading.Lock()
+        self._rids: set[str] = set()
+        self._rids_lock = threading.Lock()
         self._arrivals = itertools.count()
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._closed = False
@@ -192,6 +194,10 @@ class Engine:
         self._check_open()
         prompt_ids = self._prompt_ids(request)
         constraint = self._constraint_state(request)
+        with self._rids_lock:  # a request id names one request in flight (abort targets it)
+            if request.rid in self._rids:
+                raise InvalidRequestError(f"request id {request.rid!r} is already in flight")
+            self._rids.add(request.rid)
         handle = RequestHandle(self, request.rid, loop)
         req = self._make_req(
             request.rid, prompt_ids, request.sampling, request.namespace, request.hints, handle
@@ -382,8 +388,13 @@ class Engine:
         )
         if handle is not None:
             req.on_delta = lambda r: _push_delta(handle, r)
-            req.on_finish = lambda r: _deliver(handle, r, _result(r))
+            req.on_finish = lambda r: self._finished(handle, r)
         return req
+
+    def _finished(self, handle: RequestHandle, req: Req) -> None:
+        with self._rids_lock:
+            self._rids.discard(req.rid)
+        _deliver(handle, req, _result(req))
 
     def _pin(
         self,

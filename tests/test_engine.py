@@ -219,6 +219,8 @@ def test_bad_requests_fail_alone(tiny_model_dir):
             )
         with pytest.raises(ValueError):
             SamplingParams(max_new_tokens=-1)
+        twice = eng.generate([good, good])  # one id, two requests: the second is refused
+        assert twice[0].finish_reason == "length" and "already in flight" in twice[1].error
         assert eng.generate([good])[0].output_ids == results[1].output_ids
     with pytest.raises(EngineClosedError):
         eng.submit(good)

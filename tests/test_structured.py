@@ -160,7 +160,7 @@ def test_grammars_compile_once_per_process(tiny_model_dir):
         sampling=SamplingParams(max_new_tokens=40, temperature=0),
     )
     with engine(tiny_model_dir) as eng:
-        eng.generate([request, request])
+        eng.generate([request, request.model_copy(update={"rid": "another"})])
         eng.generate([request])
         assert len(eng.grammars.compile_seconds) == 1
 
