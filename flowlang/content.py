@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flowlang.backends.base import Backend
+from flowlang.errors import ProgramError
 from flowlang.ir import RoleBegin, RoleEnd, Text
 
 
@@ -61,8 +62,6 @@ class Renderer:
 
     def role_begin(self, content: Content, role: str) -> None:
         if content.open_role is not None:
-            from flowlang.errors import ProgramError
-
             raise ProgramError(
                 f"{role!r} message started inside an open {content.open_role!r} "
                 f"message; roles do not nest"

@@ -68,31 +68,29 @@ def llama3_8b_shapes(dtype_bytes: int = 2) -> Shapes:
     return Shapes(params, params * dtype_bytes, kv)
 
 
+def median_cuda_seconds(fn, repeats: int = 10) -> float:
+    """Median wall time of fn() with the device synchronized around each call."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def copy_bandwidth(device: str) -> float:
     """Bytes moved per second (read + write) by a large device copy."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(10):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 2 * src.numel() / statistics.median(times)
+    return 2 * src.numel() / median_cuda_seconds(lambda: dst.copy_(src))
 
 
 def matmul_rate(device: str) -> float:
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    times = []
-    for _ in range(10):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        a @ b
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 2 * 8192**3 / statistics.median(times)
+    return 2 * 8192**3 / median_cuda_seconds(lambda: a @ b)
 
 
 def decode_step_s(engine, batch: int) -> float:
@@ -105,14 +103,7 @@ def decode_step_s(engine, batch: int) -> float:
     prompt = [list(range(1000, 1000 + CONTEXT_LEN))] * batch
     runner.forward(ForwardBatch.build(prompt, [s[:CONTEXT_LEN] for s in slots]))
     step = ForwardBatch.build([[7]] * batch, slots)
-    times = []
-    for _ in range(20):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        runner.forward(step)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_cuda_seconds(lambda: runner.forward(step), repeats=20)
 
 
 def prefill_s(engine, num_tokens: int) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Protocol
 
 from flowlang.chat import ChatFormat
 from runtime.protocol import GenerateRequest, GenerateResult, GraphHints, ScoreRequest, ScoreResult
@@ -47,7 +47,3 @@ class Backend(ABC):
         self, prefix_ids: list[int], namespace: str | None = None, hints: GraphHints | None = None
     ) -> PinLease:
         """Prefill the prefix once and keep it cached until the lease is released."""
-
-    def model_info(self) -> dict[str, Any]:
-        """What the backend knows of its model (for reports)."""
-        return {}

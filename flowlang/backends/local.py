@@ -71,16 +71,3 @@ class LocalBackend(Backend):
         self, prefix_ids: list[int], namespace: str | None = None, hints: GraphHints | None = None
     ) -> PinLease:
         return self.engine.pin(prefix_ids, namespace, hints)
-
-    def model_info(self) -> dict[str, Any]:
-        arch = self.engine.arch
-        return {
-            "model": self.engine.config.model,
-            "num_layers": arch.num_layers,
-            "num_kv_heads": arch.num_kv_heads,
-            "head_dim": arch.head_dim,
-            "dtype": self.engine.config.dtype,
-        }
-
-    def stats(self) -> dict[str, float]:
-        return self.engine.stats()

@@ -10,7 +10,6 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 
@@ -140,12 +139,6 @@ class RemoteBackend(Backend):
         with self._lock:
             self._pins[pin.pin_id] = pin
         return pin
-
-    def model_info(self) -> dict[str, Any]:
-        return {
-            k: self.info.get(k)
-            for k in ("model", "num_layers", "num_kv_heads", "head_dim", "dtype")
-        }
 
     def close(self) -> None:
         """Release held pins and the connection pool."""

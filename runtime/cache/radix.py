@@ -131,7 +131,7 @@ class RadixCache:
         self.allocator = allocator
         self.page_size = page_size
         self.policy = make_eviction_policy(eviction_policy)
-        self.reset_counters()
+        self.num_evicted_tokens = 0
         self._init_tree()
 
     # ---------------------------------------------------------------- sizes
@@ -144,9 +144,6 @@ class RadixCache:
     def num_candidates(self) -> int:
         """Unlocked leaves, i.e. nodes evict() may take next."""
         return len(self._candidates)
-
-    def namespaces(self) -> list[Namespace]:
-        return list(self._roots)
 
     # ---------------------------------------------------------------- reads
     def match_prefix(self, token_ids: Sequence[int], namespace: Namespace = None) -> MatchResult:
@@ -297,9 +294,6 @@ class RadixCache:
             node.evicted = True
         self._candidates.clear()
         self._init_tree()
-
-    def reset_counters(self) -> None:
-        self.num_evicted_tokens = 0
 
     # ---------------------------------------------------------------- checks
     def check_integrity(self, num_caller_slots: int | None = None) -> None:

@@ -85,6 +85,15 @@ class Req:
         """Prompt plus generated tokens: what the KV must eventually cover (but the last)."""
         return self.prompt_ids + self.gen.output_ids if self.gen.output_ids else self.prompt_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] without building the whole concatenation (hot path)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.gen.output_ids[start - n : end - n]
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.gen.output_ids[: end - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.gen.output_ids)
@@ -105,11 +114,6 @@ class Req:
     def match_limit(self) -> int:
         """Tokens that may come from the cache: every position whose logits we need is computed."""
         return min(self.num_tokens, self.first_logit_pos)
-
-    @property
-    def target_len(self) -> int:
-        """Tokens whose KV this request computes before it samples (or completes)."""
-        return self.num_tokens
 
     @property
     def is_decoding(self) -> bool:

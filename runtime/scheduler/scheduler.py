@@ -142,7 +142,7 @@ class Scheduler:
         used = self.allocator.num_used_slots
         self.counters["peak_used_slots"] = max(self.counters["peak_used_slots"], used)
         batch = ForwardBatch.build(
-            [e.req.all_ids[e.req.num_computed : e.req.num_computed + e.num_new] for e in entries],
+            [e.req.tokens(e.req.num_computed, e.req.num_computed + e.num_new) for e in entries],
             [e.req.slots[: e.req.num_computed + e.num_new] for e in entries],
             all_logits=[e.all_logits for e in entries],
             no_logits=[not e.wants_logits for e in entries],
@@ -171,7 +171,7 @@ class Scheduler:
             ]
             budget = self.chunked_prefill_tokens
             for req in [r for r in self.running if not r.is_decoding]:
-                num_new = min(req.target_len - req.num_computed, budget)
+                num_new = min(req.num_tokens - req.num_computed, budget)
                 if num_new <= 0 or not self._grow(req, req.num_computed + num_new):
                     break
                 entries.append(self._prefill_entry(req, num_new))
@@ -183,7 +183,7 @@ class Scheduler:
             # only prefills that cannot get memory: make room by retracting, or fail the last
             if len(self.running) == 1:
                 (req,) = self.running
-                self._fail_too_large(req, req.target_len)
+                self._fail_too_large(req, req.num_tokens)
             else:
                 self.retract(max(self.running, key=lambda r: r.admit_seq))
 
@@ -201,7 +201,7 @@ class Scheduler:
                 if self._waits_for_inflight(req, cached):
                     self.counters["prefill_waits"] += 1
                     continue
-            need = req.target_len - cached + self._growth_reserve(req)
+            need = req.num_tokens - cached + self._growth_reserve(req)
             if need > available:
                 if not self.running and not entries and need > self._capacity_for_one():
                     self._fail_too_large(req, need)
@@ -210,7 +210,7 @@ class Scheduler:
             del self.waiting[req.rid]
             self._start(req, match)
             available -= need
-            num_new = min(req.target_len - req.num_computed, budget)
+            num_new = min(req.num_tokens - req.num_computed, budget)
             if num_new == 0:  # everything cached and no logits needed
                 self._complete(req)
                 continue
@@ -250,7 +250,7 @@ class Scheduler:
     def _prefill_entry(self, req: Req, num_new: int) -> _Entry:
         end = req.num_computed + num_new
         wants = end > req.first_logit_pos and (
-            end == req.target_len or req.logprob_start is not None
+            end == req.num_tokens or req.logprob_start is not None
         )
         all_logits = wants and req.logprob_start is not None
         return _Entry(req, num_new, False, all_logits, wants)
@@ -266,8 +266,10 @@ class Scheduler:
         for other in self.running:
             if other.namespace != req.namespace or other.num_tokens < end:
                 continue
-            other_ids = other.all_ids
-            if other_ids[cached:end] == ids[cached:end] and other_ids[:cached] == ids[:cached]:
+            if (
+                other.tokens(cached, end) == ids[cached:end]
+                and other.tokens(0, cached) == ids[:cached]
+            ):
                 return True
         return False
 
@@ -276,7 +278,7 @@ class Scheduler:
         """Slots admission may promise: free + evictable - what running requests still need."""
         evictable = self.cache.evictable_size if self.cache is not None else 0
         reserved = sum(
-            max(0, r.target_len - r.capacity) + self._growth_reserve(r) for r in self.running
+            max(0, r.num_tokens - r.capacity) + self._growth_reserve(r) for r in self.running
         )
         return self.allocator.num_free_slots + evictable - reserved
 
@@ -390,7 +392,7 @@ class Scheduler:
             self.counters["decode_tokens"] += entry.num_new - prompt_part  # generated ones
             if entry.all_logits:
                 self._record_prompt_logprobs(req, start, logits[first_row:row])
-            if req.num_computed < req.target_len:
+            if req.num_computed < req.num_tokens:
                 self._cache_prefix(req)  # a finished chunk: let others match it now
                 continue
             if req.kind is ReqKind.GENERATE:
