@@ -7,9 +7,9 @@ import os
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from runtime.cache.eviction import EVICTION_POLICIES
-from runtime.scheduler.policy import SCHEDULE_POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
 
 
 class EngineConfig(BaseModel):

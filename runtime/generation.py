@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.model.sampler import SamplerState
 from runtime.protocol import SamplingParams
 
 
@@ -26,6 +27,9 @@ class GenerationState:
         tokenizer: Any,
         eos_token_ids: Sequence[int],
         vocab_size: int,
+        *,
+        constraint: Any = None,
+        default_generator: torch.Generator | None = None,
     ) -> None:
         self.params = params
         self.output_ids: list[int] = []
@@ -34,7 +38,6 @@ class GenerationState:
         self.matched_stop: int | str | None = None
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
-        self.prompt_logprobs: list[float | None] = []
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self._stop_ids.update(eos_token_ids)
@@ -45,25 +48,18 @@ class GenerationState:
             if tokenizer is not None
             else None
         )
-        # sampler state
-        self.constraint: Any = None  # a ConstraintState (runtime.model.constrained) or None
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
-        self.seen_mask: torch.Tensor | None = None  # (vocab,) bool: prompt + output tokens
-        self.output_counts: torch.Tensor | None = None  # (vocab,) counts of output tokens
-        if params.needs_penalties:
-            self.seen_mask = torch.zeros(vocab_size, dtype=torch.bool)
-            self.seen_mask[torch.as_tensor(list(prompt_ids), dtype=torch.int64)] = True
-            self.output_counts = torch.zeros(vocab_size, dtype=torch.float32)
+        self.sampler = SamplerState.for_request(
+            params, prompt_ids, vocab_size, constraint, default_generator
+        )
+
+    @property
+    def constraint(self) -> Any:
+        """The grammar state of a constrained request, or None."""
+        return self.sampler.constraint
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_ids)
 
     def append(
         self,
@@ -83,9 +79,7 @@ class GenerationState:
             self.output_logprobs.append(logprob)
         if top_logprobs is not None:
             self.output_top_logprobs.append(top_logprobs)
-        if self.output_counts is not None:
-            self.output_counts[token_id] += 1
-            self.seen_mask[token_id] = True
+        self.sampler.observe(token_id)
         may_stop = len(self.output_ids) >= params.min_new_tokens
         if may_stop and token_id in self._stop_ids:
             self.finish("stop", matched=token_id)
@@ -96,6 +90,19 @@ class GenerationState:
                 return
         if len(self.output_ids) >= params.max_new_tokens:
             self.finish("length")
+
+    def jump_forward(self) -> int:
+        """Append what the grammar forces next (the next step computes it as one extend);
+        return how many tokens were forced."""
+        if self.constraint is None or self.finished:
+            return 0
+        num_forced = 0
+        for token_id in self.constraint.jump_forward():
+            self.append(token_id, forced=True)
+            num_forced += 1
+            if self.finished:
+                break
+        return num_forced
 
     def finish(self, reason: str, matched: int | str | None = None) -> None:
         if self.finished:

@@ -81,7 +81,7 @@ class SamplingParams(_Frozen):
 class Constraint(_Frozen):
     """Structured output: exactly one of regex, JSON schema, choices or an EBNF grammar.
 
-    Accepted on the wire now; the structured-generation issue makes the engine enforce it.
+    The engine compiles it at submit (xgrammar) and masks every sampled token with it.
     """
 
     regex: str | None = None

@@ -35,7 +35,7 @@ def generate(
     while active:
         batch = ForwardBatch.build([new_tokens[i] for i in active], [slots[i] for i in active])
         logits = runner.forward(batch)
-        out = sample(logits, [states[i] for i in active])
+        out = sample(logits, [states[i].sampler for i in active])
         for j, i in enumerate(active):
             states[i].append(out.token_ids[j], out.logprobs[j], out.top_logprobs[j])
             new_tokens[i] = [out.token_ids[j]]

@@ -7,12 +7,11 @@ import threading
 
 import pytest
 
-from flowlang.prefix import union_prefix_tokens
 from programs.support_agent import first_turn_ids, make_inputs
 from runtime.config import EngineConfig
 from runtime.engine import Engine, EngineClosedError, InvalidRequestError
+from runtime.prefix import union_prefix_tokens
 from runtime.protocol import GenerateRequest, SamplingParams, ScoreRequest
-from runtime.scheduler.scheduler import Scheduler
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 
@@ -20,14 +19,14 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 @pytest.fixture(autouse=True)
 def integrity_after_every_step(monkeypatch):
     """Every test here checks tree, allocator and scheduler invariants after each step."""
-    original = Scheduler.step
+    original = Engine.step
 
     def checked_step(self):
         progressed = original(self)
-        self.check_integrity()
+        self.scheduler.check_integrity()
         return progressed
 
-    monkeypatch.setattr(Scheduler, "step", checked_step)
+    monkeypatch.setattr(Engine, "step", checked_step)
 
 
 @pytest.fixture(scope="module")

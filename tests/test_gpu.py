@@ -62,6 +62,7 @@ def test_random_weight_engine_runs_on_cpu():
 @pytest.mark.parametrize("case", ["prefill", "extend", "decode", "mixed"])
 def test_flashinfer_matches_torch_reference(case):
     from runtime.cache.allocator import SlotAllocator
+    from runtime.config import EngineConfig
     from runtime.model.arch import ModelArch
     from runtime.model.batch import ForwardBatch
     from runtime.model.random_weights import random_checkpoint
@@ -70,7 +71,12 @@ def test_flashinfer_matches_torch_reference(case):
     checkpoint = random_checkpoint("random:smollm2-135m", torch.bfloat16, "cuda")  # head_dim 64
     arch = ModelArch.from_hf(checkpoint.hf_config)
     runners = {
-        name: ModelRunner(arch, checkpoint.weights, 4096, "bfloat16", "cuda", name, 16)
+        name: ModelRunner(
+            arch,
+            checkpoint.weights,
+            4096,
+            EngineConfig(dtype="bfloat16", device="cuda", attention_backend=name, page_size=16),
+        )
         for name in ("torch", "flashinfer")
     }
     seqs = {

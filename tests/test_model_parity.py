@@ -9,6 +9,7 @@ import torch
 from conftest import tiny_hf_model
 
 from runtime.cache.allocator import SlotAllocator
+from runtime.config import EngineConfig
 from runtime.model.arch import ModelArch
 from runtime.model.batch import ForwardBatch
 from runtime.model.runner import ModelRunner
@@ -21,7 +22,7 @@ TOL = 1e-4
 def make(kind: str, backend: str = "torch"):
     hf = tiny_hf_model(kind)
     arch = ModelArch.from_hf(hf.config)
-    runner = ModelRunner(arch, hf.state_dict(), num_slots=2048, attention_backend=backend)
+    runner = ModelRunner(arch, hf.state_dict(), 2048, EngineConfig(attention_backend=backend))
     assert runner.attention.name == backend
     return hf, runner, SlotAllocator(2048)
 
@@ -191,6 +192,6 @@ def test_unknown_backend_and_flashinfer_on_cpu():
     hf = tiny_hf_model("llama")
     arch = ModelArch.from_hf(hf.config)
     with pytest.raises(ValueError, match="unknown attention backend"):
-        ModelRunner(arch, hf.state_dict(), 64, attention_backend="triton")
+        ModelRunner(arch, hf.state_dict(), 64, EngineConfig(attention_backend="triton"))
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        ModelRunner(arch, hf.state_dict(), 64, attention_backend="flashinfer")
+        ModelRunner(arch, hf.state_dict(), 64, EngineConfig(attention_backend="flashinfer"))

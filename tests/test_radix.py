@@ -17,7 +17,7 @@ def make_cache(num_slots=4096, page_size=1, policy="lru") -> RadixCache:
 def cache_sequence(cache: RadixCache, token_ids, namespace=None, priority=0) -> int:
     """What a request does when it finishes: slots for every token, insert, free duplicates."""
     slots = cache.allocator.alloc(len(token_ids))
-    prefix_len = cache.insert(token_ids, slots, namespace=namespace, priority=priority)
+    prefix_len = cache.insert(token_ids, slots, namespace=namespace, priority=priority).prefix_len
     cache.allocator.free(slots[:prefix_len])
     return prefix_len
 
@@ -58,7 +58,7 @@ def test_chapter_three_requests_share_4343_of_6910_tokens():
     # R2 reuses S + F (2,055 tokens); locking its match protects exactly those
     match = cache.match_prefix(system + fewshot + list(range(7000, 7080)))
     assert match.prefix_len == 2055
-    assert cache.lock(match.last_node) == -2055
+    assert cache.lock(match.position) == -2055
     assert cache.protected_size == 2055
     cache.check_integrity(num_caller_slots=0)
 
@@ -68,12 +68,12 @@ def test_match_is_pure_and_lock_splits_exactly_there():
     cache_sequence(cache, [1, 2, 3, 4, 5])
     match = cache.match_prefix([1, 2, 3, 9])
     assert match.prefix_len == 3 and cache.num_nodes == 1, "a read must not split"
-    delta = cache.lock(match.last_node)
+    delta = cache.lock(match.position)
     assert delta == -3 and cache.num_nodes == 2
     assert cache.protected_size == 3 and cache.evictable_size == 2
     assert cache.evict(100) == 2, "the unlocked tail [4, 5] goes, the locked [1, 2, 3] stays"
     assert cache.match_prefix([1, 2, 3, 4]).prefix_len == 3
-    cache.unlock(match.last_node)
+    cache.unlock(match.position)
     assert cache.evict(100) == 3
     cache.check_integrity(num_caller_slots=0)
 
@@ -84,11 +84,11 @@ def test_positions_survive_later_splits_and_go_stale_on_eviction():
     match = cache.match_prefix([1, 2, 3, 4, 5, 9])  # ends inside the single edge
     cache_sequence(cache, [1, 2, 7])  # splits that edge above the position
     cache_sequence(cache, [1, 2, 3, 4, 8])  # and again, just below it
-    cache.lock(match.last_node)
+    cache.lock(match.position)
     assert cache.protected_size == 5
     cache.check_integrity(num_caller_slots=0)
-    cache.unlock(match.last_node)
-    stale = cache.match_prefix([1, 2, 7]).last_node
+    cache.unlock(match.position)
+    stale = cache.match_prefix([1, 2, 7]).position
     cache.evict(cache.total_size)
     with pytest.raises(StalePositionError):
         cache.lock(stale)
@@ -100,8 +100,8 @@ def test_unlock_errors_leave_the_tree_unchanged():
     cache_sequence(cache, [1, 2, 3])
     match = cache.match_prefix([1, 2, 3])
     with pytest.raises(RadixCacheError, match="not locked"):
-        cache.unlock(match.last_node)
-    inside = cache.match_prefix([1, 2]).last_node
+        cache.unlock(match.position)
+    inside = cache.match_prefix([1, 2]).position
     with pytest.raises(RadixCacheError, match="no lock ends"):
         cache.unlock(inside)
     cache.check_integrity(num_caller_slots=0)
@@ -113,7 +113,7 @@ def test_eviction_is_leaf_first_and_cascades_up_a_dead_branch():
     cache_sequence(cache, [1, 2, 4])
     cache_sequence(cache, [1, 2, 4, 5, 6])
     held = cache.match_prefix([1, 2, 3])
-    cache.lock(held.last_node)
+    cache.lock(held.position)
     # candidates: [5, 6] only ([4] has a child, [3] and [1, 2] are locked)
     assert cache.num_candidates == 1
     assert cache.evict(3) == 3, "[5, 6] then its parent [4], which became a leaf, in one call"
@@ -126,11 +126,12 @@ def test_insert_reusing_the_trees_own_slots_dedups():
     cache = make_cache()
     cache_sequence(cache, [1, 2, 3])
     match = cache.match_prefix([1, 2, 3, 4, 5])
-    cache.lock(match.last_node)
+    cache.lock(match.position)
     new = cache.allocator.alloc(2)
     slots = torch.cat([match.indices, new])
-    assert cache.insert([1, 2, 3, 4, 5], slots) == 3  # nothing to free: [:3] are the tree's own
-    cache.unlock(match.last_node)
+    # nothing to free: [:3] are the tree's own
+    assert cache.insert([1, 2, 3, 4, 5], slots).prefix_len == 3
+    cache.unlock(match.position)
     assert cache.match_prefix([1, 2, 3, 4, 5]).indices.tolist() == slots.tolist()
     with pytest.raises(ValueError, match="already holds"):
         cache.insert([7, 8], new)
@@ -152,14 +153,14 @@ def test_pages_match_whole_pages_and_key_children_by_first_page():
     cache = make_cache(num_slots=256, page_size=4)
     seq = list(range(10))  # 2 whole pages + 2 tokens
     slots = cache.allocator.alloc(12)[:10]
-    assert cache.insert(seq, slots) == 0
+    assert cache.insert(seq, slots).prefix_len == 0
     assert cache.total_size == 8, "the unaligned tail stays with the caller"
     assert cache.match_prefix(seq).prefix_len == 8
     assert cache.match_prefix([0, 1, 2, 3, 4, 5, 99, 7]).prefix_len == 4, "rounds down"
     assert cache.match_prefix([0, 1, 2]).prefix_len == 0
     other = list(range(4)) + [50, 51, 52, 53]
     other_slots = cache.allocator.alloc(8)
-    assert cache.insert(other, other_slots) == 4
+    assert cache.insert(other, other_slots).prefix_len == 4
     cache.allocator.free(other_slots[:4])
     text = cache.pretty_print()
     assert "len=4 [0, 1, 2, 3] r=0" in text and "len=4 [50, 51, 52, 53] r=0" in text
@@ -184,10 +185,10 @@ def test_reset_returns_every_slot_and_refuses_while_locked():
     cache = make_cache(num_slots=64)
     cache_sequence(cache, [1, 2, 3])
     match = cache.match_prefix([1, 2])
-    cache.lock(match.last_node)
+    cache.lock(match.position)
     with pytest.raises(RadixCacheError, match="locked"):
         cache.reset()
-    cache.unlock(match.last_node)
+    cache.unlock(match.position)
     cache.reset()
     assert cache.total_size == 0 and cache.allocator.num_free_slots == 64
     cache.check_integrity(num_caller_slots=0)
@@ -219,7 +220,7 @@ def test_eviction_order_per_policy(policy):
     for name, prio in zip("ABC", (5, 3, 1), strict=True):
         cache_sequence(cache, leaves[name], priority=prio)
     for name in "CCA":
-        pos = cache.match_prefix(leaves[name]).last_node
+        pos = cache.match_prefix(leaves[name]).position
         cache.lock(pos)
         cache.unlock(pos)
     order = ""
@@ -242,7 +243,7 @@ def test_graph_policy_orders_by_known_next_use():
         cache_sequence(cache, seq)
 
     def node(name):
-        return cache.resolve(cache.match_prefix(leaves[name]).last_node)
+        return cache.resolve(cache.match_prefix(leaves[name]).position)
 
     futures = {"A": (2, -1), "B": (1, -5), "C": None, "D": (2, -7), "E": (1, -9), "F": None}
     for name, future in futures.items():

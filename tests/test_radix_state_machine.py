@@ -79,17 +79,17 @@ class RadixMachine(RuleBasedStateMachine):
         need = n_alloc - (matched.prefix_len if matched else 0)
         if not self.cache.allocator.can_alloc(need):
             if matched:
-                self.cache.lock(matched.last_node)  # keep what we reuse while evicting
+                self.cache.lock(matched.position)  # keep what we reuse while evicting
             self.cache.evict(need - self.cache.allocator.num_free_slots)
             self.sync_after_evict()
             if matched:
-                self.cache.unlock(matched.last_node)
+                self.cache.unlock(matched.position)
             if not self.cache.allocator.can_alloc(need):
                 return
         new = self.cache.allocator.alloc(need)
         slots = torch.cat([matched.indices, new]) if matched else new
         expected = self.ref_match_len(ns, seq)
-        prefix_len = self.cache.insert(seq, slots[: len(seq)], ns, priority)
+        prefix_len = self.cache.insert(seq, slots[: len(seq)], ns, priority).prefix_len
         assert prefix_len == expected
         aligned = len(seq) // self.ps * self.ps
         for i in range(prefix_len + self.ps, aligned + 1, self.ps):
@@ -108,10 +108,10 @@ class RadixMachine(RuleBasedStateMachine):
         assert result.prefix_len == n
         assert result.indices.tolist() == self.ref_indices(ns, seq, n)
         assert self.cache.num_nodes == num_nodes, "match must not split"
-        self.matches.append((ns, seq[:n], result.last_node))
+        self.matches.append((ns, seq[:n], result.position))
         self.watched = [
             *self.watched[-15:],
-            (ns, seq, n, result.last_node, result.last_node.node.version),
+            (ns, seq, n, result.position, result.position.node.version),
         ]
 
     @precondition(lambda self: self.matches)

@@ -23,7 +23,7 @@ def state(prompt=(7,), tokenizer=None, eos=(), **params) -> GenerationState:
 
 def draw_frequencies(num_draws=6000, **params) -> torch.Tensor:
     rows = [state(seed=0, max_new_tokens=10**6, **params)] * num_draws  # one generator, N draws
-    out = sample(LOGITS.expand(num_draws, VOCAB), rows)
+    out = sample(LOGITS.expand(num_draws, VOCAB), [r.sampler for r in rows])
     return torch.bincount(torch.tensor(out.token_ids), minlength=VOCAB).float() / num_draws
 
 
@@ -58,7 +58,8 @@ def test_seed_reproduces_regardless_of_batch_neighbours():
         tokens = []
         for _ in range(20):
             rows = [*others, row]
-            tokens.append(sample(LOGITS.expand(len(rows), VOCAB), rows).token_ids[-1])
+            samplers = [r.sampler for r in rows]
+            tokens.append(sample(LOGITS.expand(len(rows), VOCAB), samplers).token_ids[-1])
         return tokens
 
     assert run(seed=5, neighbours=0) == run(seed=5, neighbours=3)
@@ -67,30 +68,30 @@ def test_seed_reproduces_regardless_of_batch_neighbours():
 
 def test_greedy_rows_and_sampled_rows_share_a_batch():
     rows = [state(temperature=0), state(seed=1, top_k=1), state(seed=1)]
-    out = sample(LOGITS.expand(3, VOCAB), rows)
+    out = sample(LOGITS.expand(3, VOCAB), [r.sampler for r in rows])
     assert out.token_ids[:2] == [0, 0]
 
 
 def test_repetition_frequency_presence_penalties():
     logits = torch.tensor([[2.0, 1.9, 0.0, -1.0, -5.0, -5.0, -5.0, -5.0]])
-    assert sample(logits, [state(temperature=0, prompt=[0])]).token_ids == [0]
+    assert sample(logits, [state(temperature=0, prompt=[0]).sampler]).token_ids == [0]
     # token 0 was in the prompt: 2.0 / 1.2 < 1.9
     penalized = state(temperature=0, prompt=[0], repetition_penalty=1.2)
-    assert sample(logits, [penalized]).token_ids == [1]
+    assert sample(logits, [penalized.sampler]).token_ids == [1]
     row = state(temperature=0, frequency_penalty=0.15, max_new_tokens=10)
     row.append(0)
-    assert sample(logits, [row]).token_ids == [1]  # 2.0 - 0.15 < 1.9
+    assert sample(logits, [row.sampler]).token_ids == [1]  # 2.0 - 0.15 < 1.9
     row.append(1)
     row.append(1)
-    assert sample(logits, [row]).token_ids == [0]  # 1.85 > 1.9 - 2 * 0.15
+    assert sample(logits, [row.sampler]).token_ids == [0]  # 1.85 > 1.9 - 2 * 0.15
     row = state(temperature=0, presence_penalty=0.5, max_new_tokens=10)
     row.append(0)
-    assert sample(logits, [row]).token_ids == [1]
+    assert sample(logits, [row.sampler]).token_ids == [1]
 
 
 def test_logprobs_are_raw_and_top_logprobs_sorted():
     rows = [state(temperature=0, logprobs=True, top_logprobs=3, repetition_penalty=1.5)]
-    out = sample(LOGITS[None], rows)
+    out = sample(LOGITS[None], [r.sampler for r in rows])
     assert math.isclose(out.logprobs[0], math.log(0.4), rel_tol=1e-5)
     ids, values = zip(*out.top_logprobs[0], strict=True)
     assert list(ids) == [0, 1, 2]

@@ -19,7 +19,7 @@ def make_req(i: int, ids: list[int]) -> Req:
 
 def insert(cache: RadixCache, ids: list[int]) -> None:
     slots = cache.allocator.alloc(len(ids))
-    cache.allocator.free(slots[: cache.insert(ids, slots)])
+    cache.allocator.free(slots[: cache.insert(ids, slots).prefix_len])
 
 
 def test_lpm_over_10000_waiting_requests_rematches_only_what_changed():

@@ -162,7 +162,7 @@ def test_grammars_compile_once_per_process(tiny_model_dir):
     with engine(tiny_model_dir) as eng:
         eng.generate([request, request.model_copy(update={"rid": "another"})])
         eng.generate([request])
-        assert len(eng.grammars.compile_seconds) == 1
+        assert len(eng.intake.grammars.compile_seconds) == 1
 
 
 @pytest.mark.parametrize(

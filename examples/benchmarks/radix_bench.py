@@ -72,7 +72,7 @@ def build(cls: type[RadixCache], num_leaves: int, seed: int) -> tuple[RadixCache
 def insert(cache: RadixCache, seq: tuple[int, ...]) -> float:
     slots = cache.allocator.alloc(len(seq))
     start = time.perf_counter()
-    prefix_len = cache.insert(seq, slots)
+    prefix_len = cache.insert(seq, slots).prefix_len
     elapsed = time.perf_counter() - start
     cache.allocator.free(slots[:prefix_len])
     return elapsed

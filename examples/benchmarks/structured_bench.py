@@ -20,7 +20,6 @@ from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.model import constrained
 from runtime.protocol import Constraint
-from runtime.scheduler.scheduler import Scheduler
 
 MODEL = "smollm2-135m-instruct"
 
@@ -52,7 +51,7 @@ def instrumented(timers: Timers):
 
         return wrapper
 
-    step = Scheduler.step
+    step = Engine.step
 
     def timed_step(self):
         start = time.perf_counter()
@@ -62,7 +61,7 @@ def instrumented(timers: Timers):
 
     for (owner, name), fn in zip(patches, originals, strict=True):
         setattr(owner, name, timed(fn))
-    Scheduler.step = timed_step
+    Engine.step = timed_step
     import runtime.model.sampler  # noqa: F401 - imports apply_constraints at call time
 
     try:
@@ -70,7 +69,7 @@ def instrumented(timers: Timers):
     finally:
         for (owner, name), fn in zip(patches, originals, strict=True):
             setattr(owner, name, fn)
-        Scheduler.step = step
+        Engine.step = step
 
 
 def run(documents, jump_forward: bool) -> dict:
@@ -102,7 +101,7 @@ def run(documents, jump_forward: bool) -> dict:
 
 
 def compile_times(tokenizer_engine: Engine) -> list[tuple[str, float, float]]:
-    grammars = tokenizer_engine.grammars
+    grammars = tokenizer_engine.intake.grammars
     cases = [
         ("W5 TicketInfo JSON schema", Constraint(json_schema=TicketInfo.model_json_schema())),
         ("phone regex", Constraint(regex=r"\(\d{3}\) \d{3}-\d{4}")),
@@ -127,7 +126,7 @@ def main() -> None:
     with Engine(EngineConfig(model=MODEL, max_kv_tokens=4096)) as probe:
         documents = make_inputs(probe.tokenizer, "bench")[: args.documents]
         start = time.perf_counter()
-        probe.grammars  # noqa: B018 - tokenizer info setup, timed
+        probe.intake.grammars  # noqa: B018 - tokenizer info setup, timed
         setup_ms = (time.perf_counter() - start) * 1e3
         compiles = compile_times(probe)
     results = {jf: run(documents, jf) for jf in (False, True)}

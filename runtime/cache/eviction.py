@@ -85,11 +85,11 @@ class SLRUPolicy(EvictionPolicy):
 class GraphPolicy(EvictionPolicy):
     """Evict by estimated next use, known from the program graph; recency breaks ties.
 
-    The scheduler writes `node.future` (and calls `reprioritize`):
+    `node.future` is written by `GraphMarks` (graph_marks.py), which calls `reprioritize`:
     - None: no known reader: evicted first, least recently used first;
-    - (1, -t): a program branch that ended here at step t will extend it soon (its next request
-      is not queued yet, so it is needed after everything already waiting; latest first);
-    - (2, -rank): a waiting request at queue position `rank` reads it: the farthest first.
+    - NextUse(CONTINUATION, -t): a program branch that paused here at step t will extend it
+      (its next request is not queued yet, so it is needed after everything already waiting);
+    - NextUse(QUEUED_READ, -rank): a waiting request at queue position `rank` reads it.
     Belady's rule, with the next use taken from the queue and the programs instead of guessed.
     Pinned prefixes (fork and run_batch shared prefixes) are locked and never candidates.
     """

@@ -33,10 +33,6 @@ class KVPool:
         self.k = list(self._k.unbind(0))
         self.v = list(self._v.unbind(0))
 
-    @property
-    def num_bytes(self) -> int:
-        return 2 * self._k.numel() * self._k.element_size()
-
     def write(self, layer: int, slot_idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V rows (num_tokens, num_kv_heads, head_dim) at `slot_idx` (num_tokens,)."""
         self.k[layer].index_copy_(0, slot_idx, k)

@@ -21,6 +21,7 @@ import torch
 
 from runtime.cache.allocator import SlotAllocator
 from runtime.cache.eviction import CandidateQueue, EvictionPolicy, make_eviction_policy
+from runtime.prefix import common_prefix_len
 
 Namespace = Hashable  # cache salt / adapter id; None is the default namespace
 
@@ -76,12 +77,8 @@ class TreeNode:
         self.candidate_seq: int | None = None  # set while in the eviction candidate queue
         self.evicted = False
         self.version = 0  # bumped when a match ending here could now go further (see _bump)
-        self.future: tuple | None = None  # "graph" policy: known next use (see eviction.py)
+        self.future: tuple | None = None  # "graph" policy: known NextUse (graph_marks.py)
         self.future_base: tuple | None = None  # ... and what it falls back to when refreshed
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
 
     def __repr__(self) -> str:
         head = ",".join(map(str, self.key[:6])) + ("..." if len(self.key) > 6 else "")
@@ -102,9 +99,21 @@ class TreePosition:
 
 @dataclass(frozen=True, slots=True)
 class MatchResult:
+    """Where a key's cached prefix ends, and the slots holding it."""
+
     indices: torch.Tensor  # (prefix_len,) int64 slot indices of the matched prefix
-    last_node: TreePosition
+    position: TreePosition
     prefix_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    """What `insert` did: `prefix_len` tokens were cached before (the caller's own slots for
+    them are duplicates); the tree now holds the key up to `position` in `indices`."""
+
+    prefix_len: int
+    position: TreePosition
+    indices: torch.Tensor  # (position.prefix_len,) int64: the tree's slots for the aligned key
 
 
 class RadixCache:
@@ -112,11 +121,13 @@ class RadixCache:
 
     >>> cache = RadixCache(SlotAllocator(num_slots=64))
     >>> slots = cache.allocator.alloc(3)
-    >>> cache.insert([1, 2, 3], slots)
+    >>> cache.insert([1, 2, 3], slots).prefix_len
     0
     >>> cache.match_prefix([1, 2, 9]).prefix_len
     2
     """
+
+    can_share = True  # inserted prefixes are matched by later requests
 
     def __init__(
         self,
@@ -161,8 +172,7 @@ class RadixCache:
             node = child
             if matched < len(child.key):
                 break
-        indices = values[0] if len(values) == 1 else (torch.cat(values) if values else _EMPTY)
-        return MatchResult(indices, TreePosition(node, pos), pos)
+        return MatchResult(_cat(values), TreePosition(node, pos), pos)
 
     # ---------------------------------------------------------------- writes
     def insert(
@@ -171,12 +181,13 @@ class RadixCache:
         indices: torch.Tensor,
         namespace: Namespace = None,
         priority: int = 0,
-    ) -> int:
-        """Cache `token_ids` -> `indices` (whole pages only); return the prefix already cached.
+    ) -> InsertResult:
+        """Cache `token_ids` -> `indices` (whole pages only).
 
         The tree takes ownership of `indices[prefix_len:aligned_len]`. The caller keeps the rest:
-        it frees its own slots below `prefix_len` that differ from the tree's (duplicates) and
-        any unaligned tail.
+        it frees its own slots below `prefix_len` (duplicates of the tree's) and any unaligned
+        tail. The result's position and indices let the caller lock what it inserted without
+        matching again.
         """
         key = _as_key(token_ids)
         if indices.numel() != len(key):
@@ -186,6 +197,7 @@ class RadixCache:
         now = self._tick()
         node = self._root(namespace)
         pos = 0
+        values: list[torch.Tensor] = []
         while pos < aligned_len:
             child = node.children.get(self._child_key(key, pos))
             if child is None:
@@ -197,10 +209,12 @@ class RadixCache:
             child.priority = max(child.priority, priority)
             if child.candidate_seq is not None:
                 self._candidates.add(child)  # its key changed: re-order
+            values.append(child.value if matched == len(child.key) else child.value[:matched])
             pos += matched
             node = child
             if matched < len(child.key):
                 break  # key ends inside this edge: already cached, nothing to split
+        prefix_len = pos
         if pos < aligned_len:
             new_indices = indices[pos:aligned_len].to(torch.int64).clone()
             self._check_new_slots(new_indices)
@@ -212,7 +226,9 @@ class RadixCache:
             self.evictable_size += aligned_len - pos
             self.num_nodes += 1
             self._bump(leaf)
-        return pos
+            values.append(new_indices)
+            node, pos = leaf, aligned_len
+        return InsertResult(prefix_len, TreePosition(node, pos), _cat(values))
 
     def lock(self, where: TreePosition | TreeNode) -> int:
         """Lock the prefix up to `where` (splitting its edge there if needed).
@@ -272,6 +288,22 @@ class RadixCache:
     def resolve(self, position: TreePosition) -> TreeNode:
         """The node a (locked, or otherwise split) position ends at exactly."""
         return self._node_at(position, split=False)
+
+    def slot_indices(self, position: TreePosition) -> torch.Tensor:
+        """The slots of the prefix up to a position, read upwards along its path (no key
+        compares): for a caller that already holds a current match position."""
+        node = self._node_at(position, split=False) if position.prefix_len else None
+        values: list[torch.Tensor] = []
+        while node is not None and node.parent is not None:
+            values.append(node.value)
+            node = node.parent
+        return _cat(values[::-1])
+
+    def namespace_of(self, node: TreeNode) -> Namespace:
+        """The namespace whose tree holds `node`."""
+        while node.parent is not None:
+            node = node.parent
+        return next(ns for ns, root in self._roots.items() if root is node)
 
     def match_is_current(self, position: TreePosition, version: int) -> bool:
         """Whether a match that ended at `position` when its node had `version` still holds."""
@@ -525,28 +557,10 @@ class RadixCache:
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int], b_start: int = 0) -> int:
-    """Length of the common prefix of a and b[b_start:] (same sequence type).
-
-    The common case (all of `a` matches) is one C-level compare; otherwise gallop in doubling
-    windows, then bisect the window holding the first difference: O(log n) Python steps.
-    """
-    limit = min(len(a), len(b) - b_start)
-    if a[:limit] == b[b_start : b_start + limit]:
-        return limit
-    lo, step = 0, 8
-    while True:
-        hi = min(lo + step, limit)
-        if a[lo:hi] != b[b_start + lo : b_start + hi]:
-            break
-        lo, step = hi, step * 2
-    while hi - lo > 1:  # a[:lo] equal, a[lo:hi] differs
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[b_start + lo : b_start + mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+def _cat(values: list[torch.Tensor]) -> torch.Tensor:
+    if not values:
+        return _EMPTY
+    return values[0] if len(values) == 1 else torch.cat(values)
 
 
 def _arange(rows: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,8 @@ import torch
 
 from runtime.cache.allocator import SlotAllocator
 from runtime.cache.eviction import EvictionPolicy, make_eviction_policy
-from runtime.cache.radix import RadixCache, TreeNode, common_prefix_len
+from runtime.cache.radix import RadixCache, TreeNode
+from runtime.prefix import union_prefix_tokens
 
 
 @dataclass(frozen=True)
@@ -38,17 +39,7 @@ class ReplayResult:
 
 def working_set(trace: Sequence[tuple]) -> int:
     """Tokens in the union of everything the trace ever inserts or accesses."""
-    per_ns: dict[Any, list[tuple[int, ...]]] = {}
-    for event in trace:
-        per_ns.setdefault(event[1], []).append(tuple(event[2]))
-    total = 0
-    for seqs in per_ns.values():
-        seqs.sort()
-        prev: tuple[int, ...] = ()
-        for seq in seqs:
-            total += len(seq) - common_prefix_len(prev, seq)
-            prev = seq
-    return total
+    return union_prefix_tokens((e[2] for e in trace), (e[1] for e in trace))
 
 
 class _NextUse:
@@ -62,18 +53,13 @@ class _NextUse:
         self._memo: dict[int, tuple[int, int, float]] = {}
         self.cache: RadixCache | None = None
 
-    def namespace_of(self, node: TreeNode) -> Any:
-        while node.parent is not None:
-            node = node.parent
-        return next(ns for ns, root in self.cache._roots.items() if root is node)
-
     def __call__(self, node: TreeNode) -> float:
         start = node.depth - len(node.key)
         memo = self._memo.get(id(node))
         if memo and memo[0] == start and memo[2] > self.now:
             return memo[2]
         path = _path(node)
-        namespace = self.namespace_of(node)
+        namespace = self.cache.namespace_of(node)
         found = math.inf
         for index, ns, ids in self.accesses:
             if index <= self.now or ns != namespace:
@@ -115,9 +101,9 @@ def replay(trace: Sequence[tuple], capacity: int, policy: str) -> ReplayResult:
             match = cache.match_prefix(ids[: event[3]], namespace)
             hits += match.prefix_len
             computed += len(ids) - match.prefix_len
-            cache.lock(match.last_node)  # a use: recency, hit counts, and keeps it while
-            _refresh_path(cache, match.last_node.node)  # ... the next-use keys move on
-            cache.unlock(match.last_node)
+            cache.lock(match.position)  # a use: recency, hit counts, and keeps it while
+            _refresh_path(cache, match.position.node)  # ... the next-use keys move on
+            cache.unlock(match.position)
         else:
             _insert(cache, allocator, namespace, ids)
     return ReplayResult(policy, capacity, hits, computed, cache.num_evicted_tokens)
@@ -128,13 +114,13 @@ def _insert(cache: RadixCache, allocator: SlotAllocator, namespace, ids: tuple[i
     missing = len(ids) - match.prefix_len
     if missing == 0:
         return
-    cache.lock(match.last_node)
+    cache.lock(match.position)
     if allocator.num_free_slots < missing:
         cache.evict(missing - allocator.num_free_slots)
     if allocator.num_free_slots >= missing:
         new = allocator.alloc(missing)
         cache.insert(ids, torch.cat([match.indices, new]), namespace)
-    cache.unlock(match.last_node)
+    cache.unlock(match.position)
 
 
 def _refresh_path(cache: RadixCache, node: TreeNode) -> None:

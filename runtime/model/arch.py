@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from runtime.prefix import kv_bytes_per_token
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # RoPE variants whose frequencies do not depend on the current sequence length
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -73,8 +75,7 @@ class ModelArch:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x element size."""
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, str(dtype))
 
     def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
         """Inverse frequencies (head_dim // 2,) and cos/sin scale, as transformers makes them."""

@@ -42,7 +42,6 @@ class LlamaModel:
             return tensor.to(device=self.device, dtype=dtype).contiguous()
 
         pack = packed_gemm_available(self.device)
-        self.gemm = "onednn-packed" if pack else "torch"
         self.embed = get("model.embed_tokens.weight")  # (vocab, hidden)
         lm_head = self.embed if arch.tie_word_embeddings else get("lm_head.weight")
         self.lm_head = Linear(lm_head, None, pack)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
 from runtime.cache.pool import KVPool
+from runtime.config import EngineConfig
 from runtime.model.arch import ModelArch
 from runtime.model.attention import make_attention_backend
 from runtime.model.batch import ForwardBatch
@@ -29,6 +31,7 @@ class ModelRunner:
     """Runs ForwardBatches of a Llama-family model over a slot-indexed KV pool.
 
     >>> runner = ModelRunner.from_checkpoint("path/to/model", num_slots=4096)  # doctest: +SKIP
+    >>> runner = ModelRunner(arch, weights, 4096, EngineConfig(dtype="bfloat16"))  # doctest: +SKIP
     """
 
     def __init__(
@@ -36,27 +39,33 @@ class ModelRunner:
         arch: ModelArch,
         weights: dict[str, torch.Tensor],
         num_slots: int,
-        dtype: str | torch.dtype = "float32",
-        device: str = "cpu",
-        attention_backend: str = "auto",
-        page_size: int = 1,
+        config: EngineConfig | None = None,
     ) -> None:
+        config = config or EngineConfig()
         self.arch = arch
-        self.dtype = parse_dtype(dtype)
-        self.device = torch.device(device)
+        self.dtype = parse_dtype(config.dtype)
+        self.device = torch.device(config.device)
         self.model = LlamaModel(arch, weights, self.dtype, self.device)
         self.pool = KVPool(
             arch.num_layers, num_slots, arch.num_kv_heads, arch.head_dim, self.dtype, self.device
         )
         self.attention = make_attention_backend(
-            attention_backend, self.pool, arch.sliding_windows, arch.num_heads, page_size
+            config.attention_backend,
+            self.pool,
+            arch.sliding_windows,
+            arch.num_heads,
+            config.page_size,
         )
         self.num_forward_passes = 0
 
     @classmethod
-    def from_checkpoint(cls, path: str | os.PathLike, num_slots: int, **kwargs) -> ModelRunner:
+    def from_checkpoint(
+        cls, path: str | os.PathLike, num_slots: int, **settings: Any
+    ) -> ModelRunner:
+        """A runner for a local checkpoint; `settings` are EngineConfig fields (dtype, ...)."""
         checkpoint = load_checkpoint(path)
-        return cls(ModelArch.from_hf(checkpoint.hf_config), checkpoint.weights, num_slots, **kwargs)
+        config = EngineConfig(model=str(path), **settings)
+        return cls(ModelArch.from_hf(checkpoint.hf_config), checkpoint.weights, num_slots, config)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -10,10 +10,48 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from runtime.generation import GenerationState
+from runtime.protocol import SamplingParams
+
+
+@dataclass
+class SamplerState:
+    """One row's sampling parameters and running state: what `sample` reads, nothing else."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None  # seeded per request, else the engine's
+    constraint: Any = None  # a ConstraintState (runtime.model.constrained) or None
+    seen_mask: torch.Tensor | None = None  # (vocab,) bool: prompt + output tokens (penalties)
+    output_counts: torch.Tensor | None = None  # (vocab,) float: output token counts (penalties)
+
+    @classmethod
+    def for_request(
+        cls,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        vocab_size: int,
+        constraint: Any = None,
+        default_generator: torch.Generator | None = None,
+    ) -> SamplerState:
+        """A fresh row: its own generator if seeded, penalty state if any penalty is set."""
+        generator = default_generator
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+        state = cls(params, generator, constraint)
+        if params.needs_penalties:
+            state.seen_mask = torch.zeros(vocab_size, dtype=torch.bool)
+            state.seen_mask[torch.as_tensor(list(prompt_ids), dtype=torch.int64)] = True
+            state.output_counts = torch.zeros(vocab_size, dtype=torch.float32)
+        return state
+
+    def observe(self, token_id: int) -> None:
+        """Count an output token (penalties)."""
+        if self.output_counts is not None:
+            self.output_counts[token_id] += 1
+            self.seen_mask[token_id] = True
 
 
 @dataclass
@@ -23,8 +61,8 @@ class SampleOutput:
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
-def sample(logits: torch.Tensor, rows: Sequence[GenerationState]) -> SampleOutput:
-    """logits (num_rows, vocab) fp32, one GenerationState per row -> next tokens."""
+def sample(logits: torch.Tensor, rows: Sequence[SamplerState]) -> SampleOutput:
+    """logits (num_rows, vocab) fp32, one SamplerState per row -> next tokens."""
     num_rows = logits.shape[0]
     want_logprobs = [r.params.logprobs or r.params.top_logprobs > 0 for r in rows]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None

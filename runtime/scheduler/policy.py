@@ -11,16 +11,16 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 
-from runtime.cache.radix import RadixCache, TreeNode
+from runtime.cache.base import PrefixCache
+from runtime.cache.radix import TreeNode, TreePosition
+from runtime.config import SCHEDULE_POLICIES
 from runtime.scheduler.request import Req
-
-SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
 
 
 class SchedulePolicy:
     """Orders the waiting queue each step."""
 
-    def __init__(self, name: str, cache: RadixCache | None, seed: int = 0) -> None:
+    def __init__(self, name: str, cache: PrefixCache, seed: int = 0) -> None:
         if name not in SCHEDULE_POLICIES:
             raise ValueError(f"unknown schedule policy {name!r}; choose from {SCHEDULE_POLICIES}")
         self.name = name
@@ -30,7 +30,7 @@ class SchedulePolicy:
 
     @property
     def cache_aware(self) -> bool:
-        return self.name in ("lpm", "dfs-weight") and self.cache is not None
+        return self.name in ("lpm", "dfs-weight") and self.cache.can_share
 
     def order(self, waiting: list[Req]) -> list[Req]:
         """The waiting requests in the order admission should try them; members of a fork
@@ -49,22 +49,22 @@ class SchedulePolicy:
             self._rng.shuffle(shuffled)
             return shuffled
         for req in waiting:
-            self.refresh_match(req)
+            self.match(req)
         if self.name == "lpm":
-            return sorted(waiting, key=lambda r: (-r.match_len, *_fcfs_key(r)))
+            return sorted(waiting, key=lambda r: (-r.match_pos.prefix_len, *_fcfs_key(r)))
         return self._dfs_weight(waiting)
 
-    def refresh_match(self, req: Req) -> None:
-        """Bring req.match_len up to date, re-matching only if its tree position changed."""
-        if req.match_pos is not None and self.cache.match_is_current(
+    def match(self, req: Req) -> TreePosition:
+        """The request's current cache match, re-matching only if its tree position changed
+        (so ordering, admission and eviction marks share one match per change)."""
+        if req.match_pos is None or not self.cache.match_is_current(
             req.match_pos, req.match_version
         ):
-            return
-        match = self.cache.match_prefix(req.all_ids[: req.match_limit], req.namespace)
-        self.num_rematches += 1
-        req.match_len = match.prefix_len
-        req.match_pos = match.last_node
-        req.match_version = match.last_node.node.version
+            match = self.cache.match_prefix(req.all_ids[: req.match_limit], req.namespace)
+            self.num_rematches += 1
+            req.match_pos = match.position
+            req.match_version = match.position.node.version
+        return req.match_pos
 
     def _dfs_weight(self, waiting: list[Req]) -> list[Req]:
         """Depth-first over the tree, heavier subtrees (more waiting requests) first, so that

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -75,8 +74,8 @@ class Req:
         self.admit_seq = -1
         self.num_retractions = 0
         self.error: str | None = None
-        self.match_len = 0  # last known cache match (scheduling policies)
-        self.match_pos: Any = None
+        # the last known cache match while waiting (SchedulePolicy.match keeps it current)
+        self.match_pos: TreePosition | None = None
         self.match_version = -1
 
     # ------------------------------------------------------------------ tokens
@@ -126,8 +125,21 @@ class Req:
         return max(0, self.gen.params.max_new_tokens - len(self.gen.output_ids))
 
     @property
+    def match_len(self) -> int:
+        """Tokens of the last known cache match."""
+        return self.match_pos.prefix_len if self.match_pos is not None else 0
+
+    @property
     def capacity(self) -> int:
         return self.slots.numel()
+
+    def record_prompt_logprobs(self, start: int, rows: torch.Tensor) -> None:
+        """rows[i] are the logits at position start + i, predicting token start + i + 1."""
+        logprobs = torch.log_softmax(rows, dim=-1)
+        for i in range(rows.shape[0]):
+            j = start + i + 1
+            if self.logprob_start <= j < len(self.prompt_ids):
+                self.prompt_logprobs[j] = float(logprobs[i, self.prompt_ids[j]])
 
     def reset_kv(self) -> None:
         self.slots = _EMPTY

@@ -1,8 +1,10 @@
-"""The scheduler: admission on the radix cache, mixed batches, retraction, postprocessing.
+"""The scheduler decides: which requests run next and how much of each; it never runs the model.
 
-One step = schedule (decodes of every running request, then prefill chunks of running and newly
-admitted requests up to the token budget) -> one forward -> process (sample, stop, insert into
-the tree, release). Everything here runs on the engine's loop thread.
+`schedule()` builds one mixed batch: decodes of every running request, then prefill chunks of
+running and newly admitted requests up to the token budget. `process(batch, logits)` applies a
+forward pass's logits: counts, prompt logprobs, sampling, stop rules, inserting computed KV into
+the tree, finishing. It needs slot counts and logits only, so it is tested with fake logits.
+Everything here runs on the engine's loop thread.
 
 Prefill once, exactly: a waiting request is not admitted while a running request is computing
 (or holds, not yet inserted) tokens it shares beyond its own cache match; it waits for their
@@ -17,15 +19,15 @@ back to the front of the queue, and on resumption reuse whatever survived evicti
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
-from runtime.cache.allocator import SlotAllocator
-from runtime.cache.radix import RadixCache
+from runtime.config import EngineConfig
 from runtime.model.batch import ForwardBatch
-from runtime.model.runner import ModelRunner
 from runtime.model.sampler import sample
+from runtime.scheduler.kv import KVManager
 from runtime.scheduler.policy import SchedulePolicy
 from runtime.scheduler.request import Req, ReqKind, ReqStatus
 
@@ -34,67 +36,40 @@ MIN_NEW_TOKEN_RATIO = 0.15
 NEW_TOKEN_RATIO_DECAY = 0.005  # per step, while nothing is retracted
 
 
-@dataclass
-class _Entry:
+@dataclass(frozen=True)
+class BatchEntry:
+    """One request's part of a step: `num_new` tokens after its `num_computed`."""
+
     req: Req
     num_new: int
     is_decode: bool
     all_logits: bool  # logits at every new position (prompt logprobs)
     wants_logits: bool  # logits at the last new position at least
 
+    @property
+    def num_logit_rows(self) -> int:
+        return self.num_new if self.all_logits else int(self.wants_logits)
 
-class OutOfMemoryForRequest(RuntimeError):
-    """A request needs more KV slots than the pool can ever give it."""
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    entries: list[BatchEntry]
+    forward: ForwardBatch
 
 
 class Scheduler:
-    def __init__(
-        self,
-        runner: ModelRunner,
-        page_size: int,
-        schedule_policy: str,
-        eviction_policy: str,
-        disable_radix_cache: bool,
-        chunked_prefill_tokens: int,
-        max_running_requests: int,
-        seed: int = 0,
-        record_trace: bool = False,
-        jump_forward: bool = True,
-    ) -> None:
-        self.runner = runner
-        self.page_size = page_size
-        self.allocator = SlotAllocator(runner.pool.num_slots, page_size)
-        self.cache = (
-            None if disable_radix_cache else RadixCache(self.allocator, page_size, eviction_policy)
-        )
-        self.policy = SchedulePolicy(schedule_policy, self.cache, seed)
-        self.graph_eviction = self.cache is not None and eviction_policy == "graph"
-        self.trace: list[tuple] | None = [] if record_trace else None
-        self.jump_forward = jump_forward
-        self._future_marked: list = []
-        self.chunked_prefill_tokens = chunked_prefill_tokens
-        self.max_running_requests = max_running_requests
+    """Admission on the prefix cache, mixed batches, retraction, output processing."""
+
+    def __init__(self, config: EngineConfig, num_slots: int) -> None:
+        self.config = config
         self.waiting: dict[str, Req] = {}
         self.running: list[Req] = []
         self.pins: dict[str, Req] = {}
+        self.kv = KVManager(config, num_slots, self._queued_positions)
+        self.policy = SchedulePolicy(config.schedule_policy, self.kv.cache, config.seed)
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.counters: Counter[str] = Counter()
         self._admit_seq = 0
-        self.counters = dict.fromkeys(
-            (
-                "prefill_tokens",
-                "decode_tokens",
-                "cached_tokens",
-                "retractions",
-                "finished",
-                "aborted",
-                "errors",
-                "steps",
-                "peak_used_slots",
-                "prefill_waits",
-                "jump_forward_tokens",
-            ),
-            0,
-        )
 
     # ------------------------------------------------------------------ intake
     def add(self, req: Req) -> None:
@@ -106,423 +81,282 @@ class Scheduler:
 
     def abort(self, rid: str) -> bool:
         """Stop a waiting or running request, or release a pin; False if unknown."""
-        if rid in self.waiting:
-            self._finish(self.waiting.pop(rid), "abort")
+        req = self.waiting.pop(rid, None) or next((r for r in self.running if r.rid == rid), None)
+        if req is not None:
+            self._finish(req, "abort")
             return True
-        for req in self.running:
-            if req.rid == rid:
-                self._finish(req, "abort")
-                return True
         if rid in self.pins:
-            self.unpin(rid)
+            pin = self.pins.pop(rid)
+            self.kv.release(pin, insert=False, step=self.counters["steps"])
+            pin.status = ReqStatus.FINISHED
             return True
         return False
 
-    def unpin(self, pin_id: str) -> None:
-        req = self.pins.pop(pin_id)
-        if req.lock_pos is not None:
-            self.cache.unlock(req.lock_pos)
-        self._free(req.slots[req.num_locked :])
-        req.reset_kv()
-        req.status = ReqStatus.FINISHED
-
-    def flush_cache(self) -> int:
-        """Evict every unlocked cached token; return how many."""
-        if self.cache is None:
-            return 0
-        return self.cache.evict(self.cache.evictable_size)
-
-    # ------------------------------------------------------------------ step
-    def step(self) -> bool:
-        """Schedule, run and process one batch; False when there was nothing to run."""
-        entries = self._schedule()
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> ScheduledBatch | None:
+        """The next batch, with every slot it writes allocated; None if nothing can run."""
+        entries = self._schedule_entries()
         if not entries:
-            return False
+            return None
         self.counters["steps"] += 1
-        used = self.allocator.num_used_slots
+        used = self.kv.allocator.num_used_slots
         self.counters["peak_used_slots"] = max(self.counters["peak_used_slots"], used)
-        batch = ForwardBatch.build(
+        forward = ForwardBatch.build(
             [e.req.tokens(e.req.num_computed, e.req.num_computed + e.num_new) for e in entries],
             [e.req.slots[: e.req.num_computed + e.num_new] for e in entries],
             all_logits=[e.all_logits for e in entries],
             no_logits=[not e.wants_logits for e in entries],
         )
-        logits = self.runner.forward(batch)
-        self._process(entries, logits)
-        self.new_token_ratio = max(
-            MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
-        )
-        return True
+        return ScheduledBatch(entries, forward)
 
-    def fail_all_running(self, message: str) -> None:
-        """After an exception in a step: fail the running requests, keep serving the rest."""
-        for req in list(self.running):
-            req.error = message
-            self._finish(req, "error")
-
-    # ------------------------------------------------------------------ scheduling
-    def _schedule(self) -> list[_Entry]:
+    def _schedule_entries(self) -> list[BatchEntry]:
         while True:
             self._ensure_decode_slots()
             entries = [
-                _Entry(r, r.num_tokens - r.num_computed, True, False, True)
+                BatchEntry(r, r.num_tokens - r.num_computed, True, False, True)
                 for r in self.running
                 if r.is_decoding
             ]
-            budget = self.chunked_prefill_tokens
+            budget = self.config.chunked_prefill_tokens
             for req in [r for r in self.running if not r.is_decoding]:
                 num_new = min(req.num_tokens - req.num_computed, budget)
-                if num_new <= 0 or not self._grow(req, req.num_computed + num_new):
+                if num_new <= 0 or not self.kv.grow(req, req.num_computed + num_new):
                     break
-                entries.append(self._prefill_entry(req, num_new))
+                entries.append(_prefill_entry(req, num_new))
                 budget -= num_new
-            if budget > 0 and self.waiting and len(self.running) < self.max_running_requests:
+            if budget > 0 and self.waiting and self._has_room_to_run():
                 entries += self._admit(budget)
             if entries or not self.running:
                 return entries
             # only prefills that cannot get memory: make room by retracting, or fail the last
             if len(self.running) == 1:
-                (req,) = self.running
-                self._fail_too_large(req, req.num_tokens)
+                self._fail_too_large(self.running[0], self.running[0].num_tokens)
             else:
                 self.retract(max(self.running, key=lambda r: r.admit_seq))
 
-    def _admit(self, budget: int) -> list[_Entry]:
-        entries = []
-        available = self._available_slots()
+    def _has_room_to_run(self) -> bool:
+        return len(self.running) < self.config.max_running_requests
+
+    def _admit(self, budget: int) -> list[BatchEntry]:
+        entries: list[BatchEntry] = []
+        available = self.kv.available_slots(sum(map(self._reserved_slots, self.running)))
         for req in self.policy.order(list(self.waiting.values())):
-            if budget <= 0 or len(self.running) >= self.max_running_requests:
+            if budget <= 0 or not self._has_room_to_run():
                 break
-            match = None
-            cached = 0
-            if self.cache is not None:
-                match = self.cache.match_prefix(req.all_ids[: req.match_limit], req.namespace)
-                cached = match.prefix_len
-                if self._waits_for_inflight(req, cached):
-                    self.counters["prefill_waits"] += 1
-                    continue
-            need = req.num_tokens - cached + self._growth_reserve(req)
+            position = self.policy.match(req)  # reused: admission never matches again
+            if self._waits_for_inflight(req, position.prefix_len):
+                self.counters["prefill_waits"] += 1
+                continue
+            need = req.num_tokens - position.prefix_len + self._growth_reserve(req)
             if need > available:
-                if not self.running and not entries and need > self._capacity_for_one():
+                if not self.running and not entries and need > self.kv.capacity_for_one:
                     self._fail_too_large(req, need)
                     continue
                 break
             del self.waiting[req.rid]
-            self._start(req, match)
+            self._start(req, position)
             available -= need
             num_new = min(req.num_tokens - req.num_computed, budget)
             if num_new == 0:  # everything cached and no logits needed
                 self._complete(req)
                 continue
-            if not self._grow(req, req.num_computed + num_new):
+            if not self.kv.grow(req, req.num_computed + num_new):
                 self._requeue(req)  # eviction could not produce the slots: try next step
                 break
             self.running.append(req)
-            entries.append(self._prefill_entry(req, num_new))
+            entries.append(_prefill_entry(req, num_new))
             budget -= num_new
         return entries
 
-    def _start(self, req: Req, match) -> None:
-        """Lock the matched prefix and take its slots; the request becomes running."""
+    def _start(self, req: Req, position) -> None:
         req.status = ReqStatus.RUNNING
         self._admit_seq += 1
         req.admit_seq = self._admit_seq
-        cached = match.prefix_len if match is not None else 0
-        if cached:
-            self.cache.lock(match.last_node)
-            if self.graph_eviction:  # read now: no longer a pending continuation
-                self.cache.resolve(match.last_node).future_base = None
-            req.lock_pos = match.last_node
-            req.slots = match.indices.clone()
-        req.num_computed = req.num_locked = cached
-        if self.trace is not None:
-            self.trace.append(("access", req.namespace, tuple(req.all_ids), req.match_limit))
+        cached = self.kv.take_prefix(req, position)
         if req.cached_tokens is None:
             req.cached_tokens = cached
         self.counters["cached_tokens"] += cached
 
     def _requeue(self, req: Req) -> None:
         self.counters["cached_tokens"] -= req.num_locked
-        self._release(req, insert=False)
-        req.status = ReqStatus.WAITING
-        self.waiting[req.rid] = req
-
-    def _prefill_entry(self, req: Req, num_new: int) -> _Entry:
-        end = req.num_computed + num_new
-        wants = end > req.first_logit_pos and (
-            end == req.num_tokens or req.logprob_start is not None
-        )
-        all_logits = wants and req.logprob_start is not None
-        return _Entry(req, num_new, False, all_logits, wants)
+        self.kv.release(req, insert=False, step=self.counters["steps"])
+        self.add(req)
 
     def _waits_for_inflight(self, req: Req, cached: int) -> bool:
         """Whether a running request computes (or holds uninserted) tokens `req` shares beyond
         its cache match: then `req` waits for their insertion instead of computing them again."""
+        page_size = self.config.page_size
+        end = min(req.match_limit, cached + page_size)
+        if not self.kv.cache.can_share or end - cached < page_size:
+            return False  # nothing inserted can be reused, or no whole page left to share
         ids = req.all_ids
-        limit = req.match_limit
-        end = min(limit, cached + self.page_size)
-        if end - cached < self.page_size:
-            return False  # no whole page beyond the match to share
-        for other in self.running:
-            if other.namespace != req.namespace or other.num_tokens < end:
-                continue
-            if (
-                other.tokens(cached, end) == ids[cached:end]
-                and other.tokens(0, cached) == ids[:cached]
-            ):
-                return True
-        return False
+        return any(
+            other.namespace == req.namespace
+            and other.num_tokens >= end
+            and other.tokens(cached, end) == ids[cached:end]
+            and other.tokens(0, cached) == ids[:cached]
+            for other in self.running
+        )
+
+    def _queued_positions(self):
+        """Waiting requests' current matches in admission order (graph eviction's future)."""
+        return (self.policy.match(r) for r in self.policy.order(list(self.waiting.values())))
 
     # ------------------------------------------------------------------ memory
-    def _available_slots(self) -> int:
-        """Slots admission may promise: free + evictable - what running requests still need."""
-        evictable = self.cache.evictable_size if self.cache is not None else 0
-        reserved = sum(
-            max(0, r.num_tokens - r.capacity) + self._growth_reserve(r) for r in self.running
-        )
-        return self.allocator.num_free_slots + evictable - reserved
+    def _reserved_slots(self, req: Req) -> int:
+        return max(0, req.num_tokens - req.capacity) + self._growth_reserve(req)
 
     def _growth_reserve(self, req: Req) -> int:
         if req.kind is not ReqKind.GENERATE:
             return 0
         return math.ceil(req.remaining_new_tokens * self.new_token_ratio)
 
-    def _capacity_for_one(self) -> int:
-        protected = self.cache.protected_size if self.cache is not None else 0
-        return self.allocator.num_slots - protected
-
-    def _grow(self, req: Req, upto: int) -> bool:
-        """Make req.slots cover `upto` tokens (whole pages), evicting if needed."""
-        short = upto - req.capacity
-        if short <= 0:
-            return True
-        num_tokens = -(-short // self.page_size) * self.page_size
-        if not self._make_room(num_tokens):
-            return False
-        req.slots = torch.cat([req.slots, self.allocator.alloc(num_tokens)])
-        return True
-
-    def _make_room(self, num_tokens: int) -> bool:
-        missing = num_tokens - self.allocator.num_free_slots
-        if missing > 0 and self.cache is not None:
-            if self.graph_eviction:
-                self._mark_queued_reads()
-            self.cache.evict(missing)
-        return self.allocator.num_free_slots >= num_tokens
-
-    def _mark_queued_reads(self) -> None:
-        """ "graph" eviction: every node on a waiting request's matched path gets the rank of
-        the earliest waiting request that reads it (so a path is not evicted from the bottom
-        up into class "no reader" the moment its leaf goes)."""
-        for node in self._future_marked:  # last pass's marks are stale now
-            node.future = node.future_base
-            self.cache.reprioritize(node)
-        self._future_marked = []
-        for rank, req in enumerate(self.policy.order(list(self.waiting.values()))):
-            self.policy.refresh_match(req)
-            node = req.match_pos.node
-            mark = (2, -rank)
-            while node.parent is not None and not node.evicted:
-                if node.future is not None and node.future >= mark:
-                    break  # an earlier request marked this node and its ancestors already
-                node.future = mark
-                self._future_marked.append(node)
-                self.cache.reprioritize(node)
-                node = node.parent
-
-    def _mark_continuation(self, req: Req) -> None:
-        """ "graph" eviction: the program will extend this sequence soon (its whole path)."""
-        if not (self.graph_eviction and req.hints.continuation and req.lock_pos is not None):
-            return
-        mark = (1, -self.counters["steps"])
-        node = self.cache.resolve(req.lock_pos)
-        while node.parent is not None and (node.future is None or node.future[0] == 1):
-            node.future_base = node.future = mark
-            node = node.parent
-
     def _ensure_decode_slots(self) -> None:
         """Give every decoding request a slot for this step, retracting others if needed."""
+        page_size = self.config.page_size
         while True:
             needy = [r for r in self.running if r.is_decoding and r.capacity < r.num_tokens]
-            pages = [-(-(r.num_tokens - r.capacity) // self.page_size) for r in needy]
-            if self._make_room(sum(pages) * self.page_size):
+            pages = sum(-(-(r.num_tokens - r.capacity) // page_size) for r in needy)
+            if self.kv.make_room(pages * page_size):
                 for req in needy:
-                    self._grow(req, req.num_tokens)
+                    self.kv.grow(req, req.num_tokens)
                 return
             if len(self.running) == 1:
-                (req,) = self.running
-                self._fail_too_large(req, req.num_tokens + 1)
+                self._fail_too_large(self.running[0], self.running[0].num_tokens + 1)
                 return
-            victim = max(self.running, key=lambda r: r.admit_seq)  # latest admitted first
-            self.retract(victim)
+            self.retract(max(self.running, key=lambda r: r.admit_seq))  # latest admitted first
 
     def retract(self, req: Req) -> None:
         """Back to waiting, keeping its computed KV in the tree (unlocked) for its return."""
         self.running.remove(req)
-        self._release(req, insert=True)
+        self.kv.release(req, insert=True, step=self.counters["steps"])
         req.num_retractions += 1
-        req.status = ReqStatus.WAITING
-        req.match_pos = None
-        self.waiting[req.rid] = req
+        req.match_pos = None  # its tokens changed since the last match
+        self.add(req)
         self.counters["retractions"] += 1
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
 
     def _fail_too_large(self, req: Req, need: int) -> None:
         self.waiting.pop(req.rid, None)
-        pool = self.allocator.num_slots
-        pinned = self.cache.protected_size if self.cache is not None else 0
         req.error = (
-            f"request needs {need} KV slots but the pool has {pool} "
-            f"({pinned} held by pins and running prefixes); raise max_kv_tokens"
+            f"request needs {need} KV slots but the pool has {self.kv.allocator.num_slots} "
+            f"({self.kv.cache.protected_size} held by pins and running prefixes); "
+            "raise max_kv_tokens"
         )
         self._finish(req, "error")
 
-    # ------------------------------------------------------------------ processing
-    def _process(self, entries: list[_Entry], logits: torch.Tensor) -> None:
+    # ------------------------------------------------------------------ process
+    def process(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
+        """Apply one forward pass: logits (num_logit_rows, vocab), rows in entry order."""
         row = 0
         to_sample: list[tuple[Req, int]] = []
-        for entry in entries:
+        for entry in batch.entries:
             req = entry.req
-            num_rows = entry.num_new if entry.all_logits else int(entry.wants_logits)
-            first_row, row = row, row + num_rows
+            first_row, row = row, row + entry.num_logit_rows
             start = req.num_computed
             req.num_computed += entry.num_new
             prompt_part = max(0, min(req.num_computed, len(req.prompt_ids)) - start)
             self.counters["prefill_tokens"] += prompt_part  # prompt positions
             self.counters["decode_tokens"] += entry.num_new - prompt_part  # generated ones
             if entry.all_logits:
-                self._record_prompt_logprobs(req, start, logits[first_row:row])
+                req.record_prompt_logprobs(start, logits[first_row:row])
             if req.num_computed < req.num_tokens:
-                self._cache_prefix(req)  # a finished chunk: let others match it now
-                continue
-            if req.kind is ReqKind.GENERATE:
+                self.kv.cache_prefix(req)  # a finished chunk: let others match it now
+            elif req.kind is ReqKind.GENERATE:
                 if not entry.is_decode:
-                    self._cache_prefix(req)
+                    self.kv.cache_prefix(req)
                 to_sample.append((req, row - 1))
             else:
                 if req.keep_last_logprobs:
                     req.last_logprobs = torch.log_softmax(logits[row - 1], dim=-1)
                 self._complete(req)
         if to_sample:
-            reqs = [r for r, _ in to_sample]
-            out = sample(logits[[i for _, i in to_sample]], [r.gen for r in reqs])
-            for i, req in enumerate(reqs):
-                req.gen.append(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
-                if req.gen.constraint is not None and self.jump_forward:
-                    self._jump_forward(req)
-                if req.on_delta:
-                    req.on_delta(req)
-                if req.gen.finished:
-                    self._finish(req, req.gen.finish_reason)
+            self._sample(to_sample, logits)
+        self.new_token_ratio = max(
+            MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+        )
 
-    def _jump_forward(self, req: Req) -> None:
-        """Append what the grammar forces next; the next step computes it as one extend."""
-        gen = req.gen
-        if gen.finished:
-            return
-        forced = gen.constraint.jump_forward()
-        for token_id in forced:
-            gen.append(token_id, forced=True)
-            self.counters["jump_forward_tokens"] += 1
-            if gen.finished:
-                break
-
-    def _record_prompt_logprobs(self, req: Req, start: int, rows: torch.Tensor) -> None:
-        """rows[i] are the logits at position start + i, predicting token start + i + 1."""
-        logprobs = torch.log_softmax(rows, dim=-1)
-        for i in range(rows.shape[0]):
-            j = start + i + 1
-            if req.logprob_start <= j < len(req.prompt_ids):
-                req.prompt_logprobs[j] = float(logprobs[i, req.prompt_ids[j]])
+    def _sample(self, to_sample: list[tuple[Req, int]], logits: torch.Tensor) -> None:
+        reqs = [r for r, _ in to_sample]
+        out = sample(logits[[i for _, i in to_sample]], [r.gen.sampler for r in reqs])
+        for i, req in enumerate(reqs):
+            req.gen.append(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
+            if self.config.enable_jump_forward:
+                self.counters["jump_forward_tokens"] += req.gen.jump_forward()
+            if req.on_delta:
+                req.on_delta(req)
+            if req.gen.finished:
+                self._finish(req, req.gen.finish_reason)
 
     def _complete(self, req: Req) -> None:
         """A prefill-only request or pin whose tokens are all computed (or were cached)."""
-        if req.kind is ReqKind.PIN:
-            if req in self.running:
-                self.running.remove(req)
-            self._cache_prefix(req)
-            self._free(req.slots[req.num_locked :])  # a partial last page cannot be shared
-            req.slots = req.slots[: req.num_locked].clone()
-            req.status = ReqStatus.PINNED
-            self.pins[req.rid] = req
-            if req.on_finish:
-                req.on_finish(req)
-        else:
+        if req.kind is not ReqKind.PIN:
             self._finish(req, "length")
+            return
+        if req in self.running:
+            self.running.remove(req)
+        self.kv.keep_locked_prefix(req)
+        req.status = ReqStatus.PINNED
+        self.pins[req.rid] = req
+        if req.on_finish:
+            req.on_finish(req)
 
     def _finish(self, req: Req, reason: str) -> None:
         if req in self.running:
             self.running.remove(req)
-        self._release(req, insert=reason != "error")
+        self.kv.release(req, insert=reason != "error", step=self.counters["steps"])
         req.gen.finish(reason)
         req.status = ReqStatus.FINISHED
-        key = {"abort": "aborted", "error": "errors"}.get(reason, "finished")
-        self.counters[key] += 1
+        self.counters[{"abort": "aborted", "error": "errors"}.get(reason, "finished")] += 1
         if req.on_finish:
             req.on_finish(req)
 
-    # ------------------------------------------------------------------ tree bookkeeping
-    def _cache_prefix(self, req: Req) -> None:
-        """Insert the computed tokens into the tree and move the request's lock down to them.
+    def fail_running(self, message: str) -> None:
+        """After an exception in a step: fail the running requests, keep serving the rest."""
+        for req in list(self.running):
+            req.error = message
+            self._finish(req, "error")
 
-        Slots of tokens someone else inserted meanwhile are duplicates: they are freed and
-        replaced by the tree's, so the request always reads the canonical copy.
-        """
-        if self.cache is None:
-            return
-        n = req.num_computed
-        aligned = n // self.page_size * self.page_size
-        if aligned <= req.num_locked:
-            return
-        ids = req.all_ids[:n]
-        prefix_len = self.cache.insert(ids, req.slots[:n], req.namespace, req.hints.priority)
-        if self.trace is not None:
-            self.trace.append(("insert", req.namespace, tuple(ids[:aligned])))
-        if prefix_len > req.num_locked:
-            self._free(req.slots[req.num_locked : prefix_len])
-        match = self.cache.match_prefix(ids[:aligned], req.namespace)
-        self.cache.lock(match.last_node)
-        if req.lock_pos is not None:
-            self.cache.unlock(req.lock_pos)
-        req.slots[:aligned] = match.indices
-        req.lock_pos = match.last_node
-        req.num_locked = aligned
-
-    def _release(self, req: Req, insert: bool) -> None:
-        """Give up the request's KV: into the tree (insert) or back to the allocator."""
-        if self.cache is not None and insert:
-            self._cache_prefix(req)
-            self._mark_continuation(req)
-        if req.lock_pos is not None:
-            self.cache.unlock(req.lock_pos)
-        self._free(req.slots[req.num_locked :])
-        req.reset_kv()
-
-    def _free(self, slots: torch.Tensor) -> None:
-        if slots.numel():
-            self.allocator.free(slots)
-
-    # ------------------------------------------------------------------ checks
-    def num_owned_slots(self) -> int:
-        """Slots held by requests outside the tree."""
-        return sum(r.capacity - r.num_locked for r in self.running) + sum(
-            r.capacity - r.num_locked for r in self.pins.values()
-        )
+    # ------------------------------------------------------------------ stats, checks
+    def stats(self) -> dict[str, float]:
+        """Counters and gauges, Prometheus-style names."""
+        c, cache = self.counters, self.kv.cache
+        computed, cached = c["prefill_tokens"], c["cached_tokens"]
+        return {
+            "prefill_tokens_total": computed,
+            "decode_tokens_total": c["decode_tokens"],
+            "cached_tokens_total": cached,
+            "cache_hit_rate": cached / (cached + computed) if cached + computed else 0.0,
+            "evicted_tokens_total": cache.num_evicted_tokens,
+            "retractions_total": c["retractions"],
+            "prefill_waits_total": c["prefill_waits"],
+            "requests_finished_total": c["finished"],
+            "requests_aborted_total": c["aborted"],
+            "requests_failed_total": c["errors"],
+            "steps_total": c["steps"],
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_pins": len(self.pins),
+            "kv_slots_total": self.kv.allocator.num_slots,
+            "kv_slots_used": self.kv.allocator.num_used_slots,
+            "kv_slots_peak": c["peak_used_slots"],
+            "cache_tokens": cache.total_size,
+            "cache_evictable_tokens": cache.evictable_size,
+            "cache_protected_tokens": cache.protected_size,
+            "cache_nodes": cache.num_nodes,
+            "schedule_rematches_total": self.policy.num_rematches,
+            "new_token_ratio": self.new_token_ratio,
+            "jump_forward_tokens_total": c["jump_forward_tokens"],
+        }
 
     def check_integrity(self) -> None:
         """Assert slot conservation and every request's KV bookkeeping."""
         for req in self.waiting.values():
             assert req.capacity == 0 and req.lock_pos is None, f"waiting {req} holds KV"
-        for req in [*self.running, *self.pins.values()]:
-            assert req.num_locked <= req.num_computed <= req.capacity, req
-            assert req.num_locked % self.page_size == 0, req
-            if req.num_locked:
-                match = self.cache.match_prefix(req.all_ids[: req.num_locked], req.namespace)
-                assert match.prefix_len == req.num_locked, f"{req}: locked prefix left the tree"
-                assert torch.equal(match.indices, req.slots[: req.num_locked]), req
-        if self.cache is not None:
-            self.cache.check_integrity(num_caller_slots=self.num_owned_slots())
-        else:
-            self.allocator.check_integrity()
-            owned = self.num_owned_slots()
-            assert self.allocator.num_free_slots + owned == self.allocator.num_slots
+        self.kv.check_integrity([*self.running, *self.pins.values()])
+
+
+def _prefill_entry(req: Req, num_new: int) -> BatchEntry:
+    end = req.num_computed + num_new
+    wants = end > req.first_logit_pos and (end == req.num_tokens or req.logprob_start is not None)
+    return BatchEntry(req, num_new, False, wants and req.logprob_start is not None, wants)

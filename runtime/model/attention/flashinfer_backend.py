@@ -1,8 +1,8 @@
 """flashinfer attention on CUDA: paged KV straight from the pool, planned once per batch.
 
-UNVERIFIED: no GPU was available where this was written; the GPU issue stays open until
-tests/test_gpu.py runs it against the torch reference on an H100/H200. Imported only when the
-"flashinfer" backend is chosen on a CUDA device.
+Unverified until tests/test_gpu.py has run it against the torch reference on an H100/H200
+(no GPU has been available yet). Imported only when the "flashinfer" backend is chosen on a
+CUDA device.
 
 The pool's per-layer K and V, (num_slots, kv_heads, head_dim), are exactly flashinfer's NHD
 page layout (num_pages, page_size, kv_heads, head_dim) viewed with num_pages = num_slots /

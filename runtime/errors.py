@@ -1,0 +1,26 @@
+"""The engine's domain errors: what a caller (in-process or over HTTP) may be told.
+
+The server maps each to one status code (runtime/server/errors.py); anything else is a bug and
+becomes a 500, never a client error.
+"""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses before running it; the message names the problem."""
+
+
+class UnknownRequestError(KeyError):
+    """A request or pin id the engine does not know (never submitted, or already finished)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "unknown request"
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed; it accepts nothing more."""
+
+
+class RequestError(RuntimeError):
+    """A request that failed while running (the engine itself keeps serving)."""

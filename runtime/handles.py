@@ -1,0 +1,93 @@
+"""What callers hold while the engine works: a request's handle (result and stream) and a pin's."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+from runtime.protocol import GenerateResult, PinInfo
+
+_DONE = object()  # ends a stream
+
+
+class RequestHandle:
+    """A submitted request: `result()` waits for it, iterating yields its text as it streams.
+
+    Made with an event loop (`Engine.submit(..., loop=...)`), it streams to `astream()` instead.
+    """
+
+    def __init__(
+        self,
+        rid: str,
+        cancel: Callable[[str], None],
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self.rid = rid
+        self.future: Future[GenerateResult] = Future()
+        self._cancel = cancel
+        self._loop = loop
+        self._deltas: queue.Queue = queue.Queue()
+        self._adeltas: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
+
+    def result(self, timeout: float | None = None) -> GenerateResult:
+        return self.future.result(timeout)
+
+    async def aresult(self) -> GenerateResult:
+        return await asyncio.wrap_future(self.future)
+
+    def __iter__(self) -> Iterator[str]:
+        """Text deltas as they become final (stop strings are never shown)."""
+        if self._adeltas is not None:
+            raise RuntimeError("this handle streams to astream() (it was made with a loop)")
+        while (delta := self._deltas.get()) is not _DONE:
+            yield delta
+
+    async def astream(self) -> AsyncIterator[str]:
+        """Text deltas, for handles submitted with an event loop."""
+        while (delta := await self._adeltas.get()) is not _DONE:
+            yield delta
+
+    def cancel(self) -> None:
+        self._cancel(self.rid)
+
+    # called from the engine's loop thread
+    def push_delta(self, delta: str) -> None:
+        if delta:
+            self._put(delta)
+
+    def deliver(self, result: GenerateResult) -> None:
+        """End the stream and resolve the result."""
+        self._put(_DONE)
+        self.future.set_result(result)
+
+    def _put(self, item: Any) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._adeltas.put_nowait, item)
+        else:
+            self._deltas.put(item)
+
+
+class PinHandle:
+    """A pinned prefix: locked in the cache until `release()` (or until this handle is dropped)."""
+
+    def __init__(self, info: PinInfo, release: Callable[[str], None]) -> None:
+        self.info = info
+        self.pin_id = info.pin_id
+        self._finalizer = weakref.finalize(self, release, info.pin_id)
+
+    def release(self) -> None:
+        self._finalizer()
+
+    @property
+    def released(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> PinHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

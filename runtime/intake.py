@@ -1,0 +1,182 @@
+"""RequestIntake: protocol requests in, scheduler requests out (tokenized, validated, compiled).
+
+Runs on the callers' threads, so a bad request fails at submit with a message that names the
+problem, before the loop thread ever sees it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+import torch
+
+from runtime.config import EngineConfig
+from runtime.errors import InvalidRequestError
+from runtime.generation import GenerationState
+from runtime.model.arch import ModelArch
+from runtime.protocol import GenerateRequest, GraphHints, SamplingParams
+from runtime.scheduler.request import Req, ReqKind
+
+
+class RequestIntake:
+    """Builds `Req`s for one engine: its tokenizer, model limits, pool size and grammars."""
+
+    def __init__(
+        self, config: EngineConfig, arch: ModelArch, tokenizer: Any, num_slots: int
+    ) -> None:
+        self.arch = arch
+        self.tokenizer = tokenizer
+        self.num_slots = num_slots
+        self._rng = torch.Generator().manual_seed(config.seed)  # for requests with no seed
+        self._arrivals = itertools.count()
+        self._grammars = None
+        self._grammar_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ requests
+    def generate_req(self, request: GenerateRequest) -> Req:
+        """A generate (or, with max_new_tokens=0, prefill-only) request."""
+        params = request.sampling
+        ids = (
+            list(request.input_ids)
+            if request.input_ids is not None
+            else self.tokens(request.text, special=True)
+        )
+        self.validate_prompt(ids, params.max_new_tokens)
+        kind = ReqKind.GENERATE if params.max_new_tokens else ReqKind.PREFILL
+        logprob_start = (params.logprob_start_len or 1) if params.prompt_logprobs else None
+        return self._req(
+            request.rid,
+            ids,
+            params,
+            kind,
+            request.namespace,
+            request.hints,
+            self._constraint_state(request),
+            logprob_start=logprob_start,
+        )
+
+    def pin_req(
+        self,
+        pin_id: str,
+        ids: list[int],
+        namespace: str | None,
+        hints: GraphHints | None,
+        keep_last_logprobs: bool,
+    ) -> Req:
+        """Prefill `ids` (what is not cached) and keep them locked until unpinned."""
+        self.validate_prompt(ids, 0)
+        params = SamplingParams(max_new_tokens=0)
+        return self._req(
+            pin_id,
+            ids,
+            params,
+            ReqKind.PIN,
+            namespace,
+            hints or GraphHints(),
+            None,
+            keep_last_logprobs=keep_last_logprobs,
+        )
+
+    def score_req(
+        self,
+        rid: str,
+        ids: list[int],
+        namespace: str | None,
+        hints: GraphHints,
+        logprob_start: int,
+    ) -> Req:
+        """Prefill-only: prompt logprobs from `logprob_start` and the last position's row."""
+        params = SamplingParams(max_new_tokens=0)
+        return self._req(
+            rid,
+            ids,
+            params,
+            ReqKind.PREFILL,
+            namespace,
+            hints,
+            None,
+            logprob_start=logprob_start,
+            keep_last_logprobs=True,
+        )
+
+    def _req(
+        self,
+        rid: str,
+        ids: list[int],
+        params: SamplingParams,
+        kind: ReqKind,
+        namespace: str | None,
+        hints: GraphHints,
+        constraint: Any,
+        **kwargs: Any,
+    ) -> Req:
+        gen = GenerationState(
+            params,
+            ids,
+            self.tokenizer,
+            self.arch.eos_token_ids,
+            self.arch.vocab_size,
+            constraint=constraint,
+            default_generator=self._rng,
+        )
+        return Req(rid, ids, gen, kind, namespace, hints, next(self._arrivals), **kwargs)
+
+    # ------------------------------------------------------------------ checks
+    def tokens(self, text_or_ids: str | list[int], special: bool) -> list[int]:
+        """Token ids of a text (or the ids themselves)."""
+        if not isinstance(text_or_ids, str):
+            return list(text_or_ids)
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: send input_ids, not text")
+        return list(self.tokenizer.encode(text_or_ids, add_special_tokens=special))
+
+    def validate_prompt(self, ids: list[int], max_new_tokens: int) -> None:
+        """Refuse prompts that are empty, out of vocabulary, or can never fit."""
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.arch.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+            )
+        total = len(ids) + max_new_tokens
+        context = self.arch.max_context_len
+        if total > context:
+            raise InvalidRequestError(
+                f"prompt of {len(ids)} tokens + max_new_tokens {max_new_tokens} exceeds the "
+                f"model's context of {context} tokens"
+            )
+        if total > self.num_slots:
+            raise InvalidRequestError(
+                f"prompt of {len(ids)} tokens + max_new_tokens {max_new_tokens} can never fit "
+                f"in the KV pool of {self.num_slots} slots"
+            )
+
+    # ------------------------------------------------------------------ grammars
+    @property
+    def grammars(self) -> Any:
+        """The grammar cache (xgrammar), made on first use."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError("constrained generation needs a tokenizer")
+                from runtime.model.constrained import GrammarCache
+
+                self._grammars = GrammarCache(
+                    self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids
+                )
+            return self._grammars
+
+    def _constraint_state(self, request: GenerateRequest) -> Any:
+        """Compile the request's constraint now, so a bad one fails at submit."""
+        if request.constraint is None:
+            return None
+        from runtime.model.constrained import InvalidConstraintError
+
+        try:
+            return self.grammars.new_state(request.constraint)
+        except InvalidConstraintError as err:
+            raise InvalidRequestError(str(err)) from err

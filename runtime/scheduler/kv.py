@@ -1,0 +1,162 @@
+"""KVManager: the request <-> prefix-cache protocol (who owns which KV slot, and when).
+
+A request's KV, by token index into `req.all_ids`, between two steps:
+
+    0            num_locked            num_computed               capacity
+    |--- cached ---|------ computed ------|-------- reserved --------|
+    | the tree's   | the request's own    | the request's own,       |
+    | slots, locked| slots, written, not  | allocated (whole pages), |
+    | at lock_pos  | yet in the tree      | not yet written          |
+
+- admission (`take_prefix`): the matched prefix [0, cached) is locked; its slots are the
+  tree's; num_locked = num_computed = cached.
+- growth (`grow`): whole pages are appended to `slots`, evicting unlocked leaves if needed.
+- after every prefill chunk and at release (`cache_prefix`): [0, aligned) goes into the tree,
+  aligned = num_computed rounded down to a page. The tree takes [prefix_len, aligned) of the
+  request's slots; [num_locked, prefix_len) had been inserted by someone else meanwhile, so the
+  request's copies are duplicates: they are freed and replaced by the tree's. The lock moves
+  down to `aligned`. [aligned, num_computed) (a partial page) stays the request's.
+- release (`release`): unlock; [num_locked, capacity) goes back to the allocator.
+
+With `NullCache` (cache disabled) nothing matches and insert takes nothing, so num_locked stays
+0 and every slot a request computes is its own until release.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from runtime.cache.allocator import SlotAllocator
+from runtime.cache.base import NullCache, PrefixCache
+from runtime.cache.graph_marks import GraphMarks, NoMarks
+from runtime.cache.radix import RadixCache, TreePosition
+from runtime.config import EngineConfig
+from runtime.scheduler.request import Req
+
+
+class KVManager:
+    """Owns the slot allocator, the prefix cache and its eviction marks; moves requests' KV
+    between them following the protocol above."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_slots: int,
+        queued_positions: Callable[[], Iterable[TreePosition]],
+    ) -> None:
+        self.page_size = config.page_size
+        self.allocator = SlotAllocator(num_slots, self.page_size)
+        self.cache: PrefixCache
+        if config.disable_radix_cache:
+            self.cache = NullCache(self.allocator)
+            self.marks: GraphMarks | NoMarks = NoMarks()
+        else:
+            self.cache = RadixCache(self.allocator, self.page_size, config.eviction_policy)
+            graph = config.eviction_policy == "graph"
+            self.marks = GraphMarks(self.cache) if graph else NoMarks()
+        self._queued_positions = queued_positions  # waiting requests' matches, admission order
+        self.trace: list[tuple] | None = [] if config.record_trace else None
+
+    # ------------------------------------------------------------------ sizes
+    def available_slots(self, reserved: int) -> int:
+        """Slots admission may promise: free + evictable - what running requests still need."""
+        return self.allocator.num_free_slots + self.cache.evictable_size - reserved
+
+    @property
+    def capacity_for_one(self) -> int:
+        """The most one request could ever hold now: everything not protected."""
+        return self.allocator.num_slots - self.cache.protected_size
+
+    # ------------------------------------------------------------------ protocol
+    def take_prefix(self, req: Req, position: TreePosition) -> int:
+        """Admission: lock the matched prefix up to `position` and adopt its slots."""
+        cached = position.prefix_len
+        if cached:
+            self.cache.lock(position)
+            self.marks.mark_read(position)
+            req.lock_pos = position
+            req.slots = self.cache.slot_indices(position).clone()
+        req.num_computed = req.num_locked = cached
+        if self.trace is not None:
+            self.trace.append(("access", req.namespace, tuple(req.all_ids), req.match_limit))
+        return cached
+
+    def grow(self, req: Req, upto: int) -> bool:
+        """Make req.slots cover `upto` tokens (whole pages), evicting if needed."""
+        short = upto - req.capacity
+        if short <= 0:
+            return True
+        num_tokens = -(-short // self.page_size) * self.page_size
+        if not self.make_room(num_tokens):
+            return False
+        req.slots = torch.cat([req.slots, self.allocator.alloc(num_tokens)])
+        return True
+
+    def make_room(self, num_tokens: int) -> bool:
+        """Evict until `num_tokens` slots are free; False if the unlocked tree is too small."""
+        missing = num_tokens - self.allocator.num_free_slots
+        if missing > 0:
+            self.marks.mark_queued_reads(self._queued_positions)
+            self.cache.evict(missing)
+        return self.allocator.num_free_slots >= num_tokens
+
+    def cache_prefix(self, req: Req) -> None:
+        """Insert the computed whole pages into the tree and move the request's lock down."""
+        n = req.num_computed
+        aligned = n // self.page_size * self.page_size
+        if aligned <= req.num_locked:
+            return
+        ids = req.tokens(0, n)
+        done = self.cache.insert(ids, req.slots[:n], req.namespace, req.hints.priority)
+        if self.trace is not None:
+            self.trace.append(("insert", req.namespace, tuple(ids[:aligned])))
+        self.free(req.slots[req.num_locked : done.prefix_len])  # duplicates of the tree's
+        held = done.position.prefix_len
+        if held <= req.num_locked:
+            return  # the cache took nothing (disabled): the slots stay the request's
+        self.cache.lock(done.position)
+        if req.lock_pos is not None:
+            self.cache.unlock(req.lock_pos)
+        req.slots[:held] = done.indices
+        req.lock_pos = done.position
+        req.num_locked = held
+
+    def keep_locked_prefix(self, req: Req) -> None:
+        """A pin: insert what it computed, keep only the locked whole pages."""
+        self.cache_prefix(req)
+        self.free(req.slots[req.num_locked :])  # a partial last page cannot be shared
+        req.slots = req.slots[: req.num_locked].clone()
+
+    def release(self, req: Req, insert: bool, step: int) -> None:
+        """Give up the request's KV: into the tree (insert) or back to the allocator."""
+        if insert:
+            self.cache_prefix(req)
+            if req.hints.continuation and req.lock_pos is not None:
+                self.marks.mark_continuation(req.lock_pos, step)
+        if req.lock_pos is not None:
+            self.cache.unlock(req.lock_pos)
+        self.free(req.slots[req.num_locked :])
+        req.reset_kv()
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self.allocator.free(slots)
+
+    def flush(self) -> int:
+        """Evict every unlocked cached token; return how many."""
+        return self.cache.evict(self.cache.evictable_size)
+
+    # ------------------------------------------------------------------ checks
+    def check_integrity(self, holders: Sequence[Req]) -> None:
+        """Assert each holder's locked prefix is the tree's, and slot conservation."""
+        for req in holders:
+            assert req.num_locked <= req.num_computed <= req.capacity, req
+            assert req.num_locked % self.page_size == 0, req
+            if req.num_locked:
+                match = self.cache.match_prefix(req.all_ids[: req.num_locked], req.namespace)
+                assert match.prefix_len == req.num_locked, f"{req}: locked prefix left the tree"
+                assert torch.equal(match.indices, req.slots[: req.num_locked]), req
+        owned = sum(r.capacity - r.num_locked for r in holders)
+        self.cache.check_integrity(num_caller_slots=owned)

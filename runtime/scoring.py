@@ -1,0 +1,122 @@
+"""Continuation scoring with every token computed once (what `select` is decided from).
+
+The continuations form a trie under the prefix. Every trie node whose next-token row is needed
+and that two or more continuations share (the prefix itself first) is pinned with its last
+logprob row kept; each continuation then computes only its own unshared tail, with prompt
+logprobs from where it diverges.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import torch
+
+from runtime.errors import InvalidRequestError
+from runtime.intake import RequestIntake
+from runtime.protocol import GraphHints, PinInfo, ScoreRequest, ScoreResult
+from runtime.scheduler.request import Req
+
+Context = tuple[int, ...]  # a continuation's tokens before the one being scored
+PinFn = Callable[[list[int], str | None, GraphHints, bool], tuple[PinInfo, torch.Tensor | None]]
+
+
+class ContinuationScorer:
+    """Scores one ScoreRequest at a time over an engine's pin/run/unpin operations."""
+
+    def __init__(
+        self,
+        intake: RequestIntake,
+        pin: PinFn,
+        unpin: Callable[[str], None],
+        run: Callable[[list[Req]], None],
+        share_prefixes: bool,
+    ) -> None:
+        self.intake = intake
+        self._pin = pin  # prefill + lock ids, keeping the last row: (info, row)
+        self._unpin = unpin
+        self._run = run  # add requests and wait until every one finished (raises on error)
+        self.share_prefixes = share_prefixes  # False without a prefix cache: pins hold nothing
+
+    def score(self, request: ScoreRequest) -> ScoreResult:
+        """Per-token logprobs of each continuation after the prefix."""
+        prefix_ids = self.intake.tokens(request.prefix, special=True)
+        conts = [self.intake.tokens(c, special=False) for c in request.continuations]
+        if any(not c for c in conts):
+            raise InvalidRequestError("every continuation needs at least one token")
+        self.intake.validate_prompt(prefix_ids, max(map(len, conts)))
+        rows: dict[Context, torch.Tensor] = {}
+        pin_ids: list[str] = []
+        try:
+            for context in self._shared_contexts(conts):  # shortest first: one new token each
+                info, rows[context] = self._pin(
+                    prefix_ids + list(context), request.namespace, request.hints, True
+                )
+                pin_ids.append(info.pin_id)
+            reqs = self._tail_reqs(request, prefix_ids, conts, rows)
+            if reqs:
+                self._run(list(reqs.values()))
+            token_logprobs = [
+                [_token_logprob(rows, reqs.get(i), prefix_ids, cont, j) for j in range(len(cont))]
+                for i, cont in enumerate(conts)
+            ]
+        finally:
+            for pin_id in pin_ids:
+                self._unpin(pin_id)
+        return ScoreResult(
+            prefix_ids=prefix_ids, continuation_ids=conts, token_logprobs=token_logprobs
+        )
+
+    def _shared_contexts(self, conts: list[list[int]]) -> list[Context]:
+        """Trie nodes whose next-token row is needed by two or more continuations."""
+        if not self.share_prefixes:
+            return []
+        shares: dict[Context, int] = {}
+        rows_needed: set[Context] = set()
+        for cont in conts:
+            for m in range(len(cont) + 1):
+                shares[tuple(cont[:m])] = shares.get(tuple(cont[:m]), 0) + 1
+                if m < len(cont):
+                    rows_needed.add(tuple(cont[:m]))
+        return sorted((n for n in rows_needed if shares[n] >= 2), key=len)
+
+    def _tail_reqs(
+        self,
+        request: ScoreRequest,
+        prefix_ids: list[int],
+        conts: list[list[int]],
+        rows: dict[Context, torch.Tensor],
+    ) -> dict[int, Req]:
+        """One prefill per continuation that needs rows no pin brought."""
+        reqs: dict[int, Req] = {}
+        for i, cont in enumerate(conts):
+            diverge = next((m for m in range(len(cont)) if tuple(cont[:m]) not in rows), None)
+            if diverge is None:
+                continue  # every row this continuation needs came with a pin
+            # the last token's KV is never needed: its logprob is the last row's
+            reqs[i] = self.intake.score_req(
+                uuid.uuid4().hex,
+                prefix_ids + cont[:-1],
+                request.namespace,
+                request.hints,
+                logprob_start=len(prefix_ids) + diverge,
+            )
+        return reqs
+
+
+def _token_logprob(
+    rows: dict[Context, torch.Tensor],
+    req: Req | None,
+    prefix_ids: list[int],
+    cont: list[int],
+    j: int,
+) -> float:
+    """Logprob of cont[j]: from a pinned trie node's row, the request's prompt logprobs, or
+    (the last token) the request's last row."""
+    context = tuple(cont[:j])
+    if context in rows:
+        return float(rows[context][cont[j]])
+    if j == len(cont) - 1:
+        return float(req.last_logprobs[cont[j]])
+    return float(req.prompt_logprobs[len(prefix_ids) + j])
