@@ -14,6 +14,12 @@ from openai import OpenAI
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
+from runtime.errors import (
+    EngineClosedError,
+    InvalidRequestError,
+    RequestError,
+    UnknownRequestError,
+)
 
 BOUNDED = {
     "type": "object",
@@ -194,6 +200,9 @@ def test_operations_endpoints(client):
         ({"text": "x", "sampling_params": {"regex": "(a"}}, 400, "invalid regex"),
         ({"text": "x", "sampling_params": {"json_schema": "{nope"}}, 400, "not valid JSON"),
         ({"text": "x", "sampling_params": {"temperature": -1}}, 422, "temperature"),
+        ({"text": "x", "sampling_params": {"frequency_penalty": 5}}, 400, "frequency_penalty"),
+        ({"text": ["a", "b"], "stream": True}, 400, "single prompt"),
+        ({"text": ["a", "b"], "rid": ["r1"]}, 400, "1 ids for 2 prompts"),
     ],
 )
 def test_bad_input_is_a_clear_4xx_and_nothing_else_is_disturbed(client, body, status, message):
@@ -216,6 +225,58 @@ def test_openai_bad_input(client):
         "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 100_000}
     )
     assert response.status_code == 400 and "context" in response.json()["error"]["message"]
+    response = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x"}},
+        },
+    )
+    assert response.status_code == 400 and "'schema' object" in response.json()["error"]["message"]
+
+
+def test_a_refused_prompt_in_a_batch_aborts_the_ones_already_queued(served, client):
+    before = stats(served)["requests_aborted_total"]
+    body = {
+        "input_ids": [[5, 6, 7], [99_999_999]],
+        "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+    }
+    response = client.post("/generate", json=body)
+    assert response.status_code == 400 and "vocabulary" in response.json()["error"]["message"]
+    assert wait_for(lambda: stats(served)["requests_aborted_total"] == before + 1)
+    assert wait_for(lambda: stats(served)["num_running"] == 0)
+
+
+@pytest.mark.parametrize(
+    "error, status, message",
+    [
+        (InvalidRequestError("bad prompt"), 400, "bad prompt"),
+        (UnknownRequestError("no request 'r9'"), 404, "no request 'r9'"),
+        (RequestError("the step failed"), 500, "the step failed"),
+        (EngineClosedError("the engine is closed"), 503, "shutting down"),
+        (KeyError("slot"), 500, "internal server error"),  # a bug, not a missing resource
+        (ValueError("bad shape"), 500, "internal server error"),  # a bug, not bad input
+    ],
+)
+def test_each_error_has_one_status_and_stray_ones_are_500(
+    served, client, monkeypatch, error, status, message
+):
+    def fail():
+        raise error
+
+    monkeypatch.setattr(served.engine, "flush_cache", fail)
+    response = client.post("/flush_cache")
+    assert response.status_code == status, response.text
+    assert message in response.json()["error"]["message"]
+
+
+def test_unknown_pin_id_is_404(client):
+    for response in (
+        client.post("/v1/flowlang/pin/pin-nope/renew"),
+        client.delete("/v1/flowlang/pin/pin-nope"),
+    ):
+        assert response.status_code == 404
+        assert response.json()["error"]["message"] == "no pin 'pin-nope' held by this client"
 
 
 def test_request_size_limit(tiny_model_dir):

@@ -7,7 +7,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from runtime.engine import Engine, PinHandle
+from runtime.engine import Engine
+from runtime.errors import UnknownRequestError
+from runtime.handles import PinHandle
 
 
 @dataclass
@@ -19,6 +21,8 @@ class Lease:
 
 
 class PinLeases:
+    """The pins held over HTTP, by id; an id the caller does not hold is an UnknownRequestError."""
+
     def __init__(self, engine: Engine, default_lease_seconds: float = 30.0) -> None:
         self.engine = engine
         self.default_lease_seconds = default_lease_seconds
@@ -68,5 +72,5 @@ class PinLeases:
     def _owned(self, pin_id: str, owner: str) -> Lease:
         lease = self._leases.get(pin_id)
         if lease is None or lease.owner != owner:
-            raise KeyError(f"no pin {pin_id!r} held by this client")
+            raise UnknownRequestError(f"no pin {pin_id!r} held by this client")
         return lease

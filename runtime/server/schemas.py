@@ -11,7 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from runtime.errors import InvalidRequestError
 from runtime.protocol import Constraint, SamplingParams
+from runtime.server.errors import invalid_input
 
 
 class _Strict(BaseModel):
@@ -53,27 +55,29 @@ class SGLangSamplingParams(_Strict):
         prompt_logprobs: bool,
         logprob_start_len: int | None,
     ) -> tuple[SamplingParams, Constraint | None]:
-        params = SamplingParams(
-            max_new_tokens=self.max_new_tokens,
-            min_new_tokens=self.min_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=max(0, self.top_k),
-            min_p=self.min_p,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.no_stop_trim,
-            seed=self.seed,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            prompt_logprobs=prompt_logprobs,
-            logprob_start_len=logprob_start_len,
-        )
+        """The engine's sampling parameters and constraint; values it rejects are a 400."""
+        with invalid_input():
+            params = SamplingParams(
+                max_new_tokens=self.max_new_tokens,
+                min_new_tokens=self.min_new_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=max(0, self.top_k),
+                min_p=self.min_p,
+                frequency_penalty=self.frequency_penalty,
+                presence_penalty=self.presence_penalty,
+                repetition_penalty=self.repetition_penalty,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids or [],
+                ignore_eos=self.ignore_eos,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.no_stop_trim,
+                seed=self.seed,
+                logprobs=logprobs,
+                top_logprobs=top_logprobs,
+                prompt_logprobs=prompt_logprobs,
+                logprob_start_len=logprob_start_len,
+            )
         return params, constraint_of(
             regex=self.regex, json_schema=self.json_schema, grammar=self.ebnf
         )
@@ -130,20 +134,22 @@ class _OpenAISampling(_Lenient):
     def sampling(
         self, max_tokens: int | None, index: int, logprobs: bool, top_logprobs: int
     ) -> SamplingParams:
+        """The engine's sampling parameters for choice `index`; values it rejects are a 400."""
         seed = None if self.seed is None else self.seed + index
-        return SamplingParams(
-            max_new_tokens=max_tokens if max_tokens is not None else 256,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            stop=self.stop,
-            seed=seed,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            ignore_eos=self.ignore_eos,
-            min_new_tokens=self.min_tokens,
-        )
+        with invalid_input():
+            return SamplingParams(
+                max_new_tokens=max_tokens if max_tokens is not None else 256,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                stop=self.stop,
+                seed=seed,
+                frequency_penalty=self.frequency_penalty,
+                presence_penalty=self.presence_penalty,
+                logprobs=logprobs,
+                top_logprobs=top_logprobs,
+                ignore_eos=self.ignore_eos,
+                min_new_tokens=self.min_tokens,
+            )
 
 
 class CompletionBody(_OpenAISampling):
@@ -178,6 +184,7 @@ class ChatBody(_OpenAISampling):
     response_format: ResponseFormat | None = None
 
     def constraint(self) -> Constraint | None:
+        """The constraint response_format asks for, if any; a malformed one is a 400."""
         fmt = self.response_format
         if fmt is None or fmt.type == "text":
             return None
@@ -185,8 +192,9 @@ class ChatBody(_OpenAISampling):
             return Constraint(json_schema={"type": "object"})
         schema = (fmt.json_schema or {}).get("schema")
         if not isinstance(schema, dict):
-            raise ValueError("response_format json_schema needs a 'schema' object")
-        return Constraint(json_schema=schema)
+            raise InvalidRequestError("response_format json_schema needs a 'schema' object")
+        with invalid_input():
+            return Constraint(json_schema=schema)
 
 
 def constraint_of(
@@ -197,7 +205,7 @@ def constraint_of(
         try:
             json_schema = json.loads(json_schema)
         except json.JSONDecodeError as err:
-            raise ValueError(f"json_schema is not valid JSON: {err}") from err
+            raise InvalidRequestError(f"json_schema is not valid JSON: {err}") from err
     given = {
         k: v
         for k, v in (("regex", regex), ("json_schema", json_schema), ("grammar", grammar))
@@ -205,4 +213,5 @@ def constraint_of(
     }
     if not given:
         return None
-    return Constraint(**given)
+    with invalid_input():
+        return Constraint(**given)

@@ -1,5 +1,5 @@
-"""What every route shares: the server state (engine, pin leases, counters, tenants), SSE
-framing and error bodies."""
+"""What every route shares: the server's settings and state (engine, pin leases, counters,
+tenants), and the FastAPI dependency that hands it to a route."""
 
 from __future__ import annotations
 
@@ -7,15 +7,16 @@ import asyncio
 import hashlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Depends, Request
 
-from runtime.engine import Engine, RequestHandle
+from runtime.engine import Engine
+from runtime.handles import RequestHandle
 from runtime.protocol import GenerateRequest, GenerateResult
 from runtime.server.pins import PinLeases
+from runtime.server.streaming import abort_unfinished, wait_results
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,6 @@ class ServerSettings:
     max_body_bytes: int = 8 << 20
     pin_lease_seconds: float = 30.0
     drain_timeout: float = 10.0
-
-
-class ClientGone(Exception):
-    """The client disconnected before its result was ready (the request was aborted)."""
 
 
 class Server:
@@ -54,35 +51,27 @@ class Server:
         parts = [p for p in (tenant, requested) if p]
         return "/".join(parts) or None
 
+    def submit(self, requests: list[GenerateRequest]) -> list[RequestHandle]:
+        """Submit all of `requests` (streaming to this event loop), or none of them."""
+        loop = asyncio.get_running_loop()
+        handles: list[RequestHandle] = []
+        try:
+            for request in requests:
+                handles.append(self.engine.submit(request, loop=loop))
+        except Exception:
+            # the client gets an error for the whole call: nobody would read the others
+            abort_unfinished(self.engine, handles)
+            raise
+        return handles
+
     async def wait(self, request: Request, handles: list[RequestHandle]) -> list[GenerateResult]:
         """Results of `handles`, aborting them if the client goes away meanwhile."""
-        waiter = asyncio.gather(*(h.aresult() for h in handles))
-        while True:
-            done, _ = await asyncio.wait({waiter}, timeout=0.25)
-            if done:
-                return waiter.result()
-            if await request.is_disconnected():
-                for handle in handles:
-                    self.engine.abort(handle.rid)
-                await asyncio.gather(waiter, return_exceptions=True)
-                raise ClientGone()
-
-    def submit(self, request: GenerateRequest) -> RequestHandle:
-        return self.engine.submit(request, loop=asyncio.get_running_loop())
+        return await wait_results(request, self.engine, handles)
 
 
-def sse(chunks: AsyncIterator[str]) -> StreamingResponse:
-    async def frames() -> AsyncIterator[bytes]:
-        async for chunk in chunks:
-            yield f"data: {chunk}\n\n".encode()
-        yield b"data: [DONE]\n\n"
-
-    return StreamingResponse(frames(), media_type="text/event-stream")
+def get_server(request: Request) -> Server:
+    """The app's shared Server (a FastAPI dependency)."""
+    return request.app.state.server
 
 
-def error_response(status: int, message: str, server: Server) -> JSONResponse:
-    server.http_errors[status] += 1
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "code": status}}, status_code=status
-    )
+ServerDep = Annotated[Server, Depends(get_server)]

@@ -1,0 +1,103 @@
+"""flowlang's remote protocol (RemoteBackend): model info, tokenize, generate with graph hints,
+score, and pins held as leases."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from runtime.handles import RequestHandle
+from runtime.protocol import GenerateRequest, GraphHints, PinInfo, ScoreRequest
+from runtime.server.state import ServerDep
+from runtime.server.streaming import sse
+
+router = APIRouter(prefix="/v1/flowlang")
+
+
+class PinBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prefix_ids: list[int] = Field(min_length=1)
+    namespace: str | None = None
+    hints: GraphHints = Field(default_factory=GraphHints)
+    lease_seconds: float | None = Field(None, gt=0, le=3600)
+
+
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: str
+    add_special_tokens: bool = False
+
+
+@router.get("/info")
+async def info(server: ServerDep):
+    """What a client needs to format prompts and size its cache: template, special tokens."""
+    engine = server.engine
+    tokenizer = engine.tokenizer
+    return {
+        "chat_template": tokenizer.chat_template,
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "model": engine.config.model,
+        "num_layers": engine.arch.num_layers,
+        "num_kv_heads": engine.arch.num_kv_heads,
+        "head_dim": engine.arch.head_dim,
+        "dtype": engine.config.dtype,
+    }
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeBody, server: ServerDep):
+    """Token ids of `text`."""
+    tokenizer = server.engine.tokenizer
+    return {"ids": tokenizer.encode(body.text, add_special_tokens=body.add_special_tokens)}
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request, server: ServerDep):
+    """One request, streamed: {"delta": text} events, then {"result": GenerateResult}."""
+    body = body.model_copy(update={"namespace": server.namespace(request, body.namespace)})
+    handles = server.submit([body])
+    return sse(server.engine, handles, _events(handles[0]))
+
+
+async def _events(handle: RequestHandle) -> AsyncGenerator[str, None]:
+    async for delta in handle.astream():
+        yield json.dumps({"delta": delta})
+    result = await handle.aresult()
+    yield json.dumps({"result": result.model_dump()})
+
+
+@router.post("/score")
+async def score(body: ScoreRequest, request: Request, server: ServerDep):
+    """Per-token logprobs of each continuation after the prefix."""
+    body = body.model_copy(update={"namespace": server.namespace(request, body.namespace)})
+    (result,) = await asyncio.to_thread(server.engine.score, body)
+    return result.model_dump()
+
+
+@router.post("/pin")
+async def pin(body: PinBody, request: Request, server: ServerDep):
+    """Pin a prefix in the cache under a lease the client must renew."""
+    namespace = server.namespace(request, body.namespace)
+    handle = await asyncio.to_thread(server.engine.pin, body.prefix_ids, namespace, body.hints)
+    lease = server.leases.add(handle, server.tenant(request), body.lease_seconds)
+    info: PinInfo = handle.info
+    return {**info.model_dump(), "lease_seconds": lease.lease_seconds}
+
+
+@router.post("/pin/{pin_id}/renew")
+async def renew(pin_id: str, request: Request, server: ServerDep):
+    """Restart a held pin's lease; 404 when the caller holds no such pin."""
+    lease = server.leases.renew(pin_id, server.tenant(request))
+    return {"pin_id": pin_id, "lease_seconds": lease.lease_seconds}
+
+
+@router.delete("/pin/{pin_id}")
+async def unpin(pin_id: str, request: Request, server: ServerDep):
+    """Release a held pin; 404 when the caller holds no such pin."""
+    server.leases.release(pin_id, server.tenant(request))
+    return {"pin_id": pin_id, "released": True}

@@ -1,0 +1,32 @@
+"""Operations: the health probe and Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter
+from fastapi.responses import PlainTextResponse
+
+from runtime.server.metrics import prometheus_text
+from runtime.server.state import ServerDep
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health():
+    """Liveness probe; the only route that needs no API key."""
+    return {"status": "ok"}
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(server: ServerDep):
+    """Engine stats and HTTP counters as Prometheus text."""
+    stats = await asyncio.to_thread(server.engine.stats)
+    return prometheus_text(
+        stats,
+        server.http_requests,
+        server.http_errors,
+        len(server.leases),
+        server.leases.num_expired,
+    )
