@@ -14,7 +14,7 @@ from flowlang.errors import (
     ProgramError,
     UnknownVariableError,
 )
-from flowlang.graph import PrefixReport, RequestGraph, kv_bytes_per_token
+from flowlang.graph import PrefixReport, RequestGraph
 from flowlang.primitives import (
     assistant,
     fewshot,
@@ -28,6 +28,7 @@ from flowlang.primitives import (
 )
 from flowlang.program import Program, program
 from flowlang.state import ProgramState
+from runtime.prefix import kv_bytes_per_token_of
 
 __version__ = "0.1.0"
 
@@ -65,7 +66,7 @@ __all__ = [
     "gen_float",
     "gen_int",
     "get_default_backend",
-    "kv_bytes_per_token",
+    "kv_bytes_per_token_of",
     "program",
     "role",
     "select",

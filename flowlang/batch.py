@@ -7,7 +7,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from flowlang.backends.base import Backend, PinLease
-from flowlang.prefix import _lcp
+from runtime.prefix import common_prefix_len
 
 
 @dataclass
@@ -35,7 +35,7 @@ class SharedPrefixPins:
         ordered = sorted((tuple(p), i) for i, p in enumerate(prompts) if p)
         prefixes: set[tuple[int, ...]] = set()
         for (a, _), (b, _) in zip(ordered, ordered[1:], strict=False):
-            shared = _lcp(a, b)
+            shared = common_prefix_len(a, b)
             if shared >= min_tokens:
                 prefixes.add(a[:shared])
         self.pins = [
@@ -50,6 +50,7 @@ class SharedPrefixPins:
             pin.lease = lease
 
     def finished(self, index: int) -> None:
+        """Instance `index` is done: release the pins no other instance still reads."""
         for pin in self.pins:
             if index in pin.readers:
                 pin.readers.discard(index)
@@ -58,6 +59,7 @@ class SharedPrefixPins:
                     pin.lease = None
 
     def release_all(self) -> None:
+        """Release every pin still held (the batch ended, or failed)."""
         for pin in self.pins:
             if pin.lease is not None:
                 pin.lease.release()

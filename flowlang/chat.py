@@ -43,6 +43,7 @@ class ChatFormat:
         self._markups: dict[tuple[str, bool], RoleMarkup] = {}
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The template applied to whole `messages`."""
         return self._template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, **self._tokens
         )

@@ -1,25 +1,56 @@
-"""The `flowlang` command: `flowlang demo` runs the support-agent workload (W1) on the default
-model and reports what the radix cache did."""
+"""The `flowlang` command: `flowlang serve`, plus the subcommands installed packages register.
+
+A package adds a subcommand through the entry-point group `flowlang.commands`: each entry
+point names a `register(commands)` that adds a parser to the argparse subparsers `commands` and
+sets its `handler` default to a function of the parsed arguments returning the exit status
+(`flowlang demo` comes from `programs.demo` this way).
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-import textwrap
-import time
+from importlib.metadata import entry_points
+from typing import Any, Protocol
+
+COMMANDS_GROUP = "flowlang.commands"
+
+
+class Commands(Protocol):
+    """The argparse subparsers a plugin's `register(commands)` adds its subcommand to."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flowlang", description=__doc__.splitlines()[0])
+    """Parse `argv` and run the chosen subcommand; its exit status."""
+    parser = argparse.ArgumentParser(
+        prog="flowlang", description="Structured LLM programs on a radix-cache engine."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run W1 (support agent) and print a cache report")
-    demo.add_argument("--model", default="smollm2-135m-instruct")
-    demo.add_argument("--users", type=int, default=8)
-    demo.add_argument("--turns", type=int, default=2)
-    demo.add_argument("--show", type=int, default=2, help="conversations to print")
-    demo.add_argument("--max-kv-tokens", type=int, default=60_000)
-    demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_serve(commands)
+    add_plugins(commands)
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+def add_plugins(commands: Commands) -> None:
+    """Let every `flowlang.commands` entry point add its subcommand."""
+    seen: set[str] = set()
+    for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        if entry.name in seen:  # the same distribution found twice on sys.path
+            continue
+        seen.add(entry.name)
+        try:
+            register = entry.load()
+        except ImportError as err:  # a broken plugin must not take `flowlang serve` down
+            print(f"[flowlang] skipping command {entry.name!r}: {err}", file=sys.stderr)
+            continue
+        register(commands)
+
+
+def add_serve(commands: Commands) -> None:
+    """`flowlang serve`: the engine over HTTP."""
     serve = commands.add_parser("serve", help="serve the engine over HTTP (SGLang and OpenAI APIs)")
     serve.add_argument("--model", default="smollm2-135m-instruct")
     serve.add_argument("--host", default="127.0.0.1")
@@ -36,15 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--eviction-policy", default="lru")
     serve.add_argument("--max-body-bytes", type=int, default=8 << 20)
     serve.add_argument("--pin-lease-seconds", type=float, default=30.0)
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        return run_demo(args)
-    if args.command == "serve":
-        return run_serve(args)
-    return 2
+    serve.set_defaults(handler=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    """Serve until interrupted."""
     from runtime.config import EngineConfig
     from runtime.server.app import ServerSettings, serve
 
@@ -66,78 +93,6 @@ def run_serve(args: argparse.Namespace) -> int:
         ),
     )
     return 0
-
-
-def run_demo(args: argparse.Namespace) -> int:
-    from flowlang.backends.local import LocalBackend
-    from programs import support_agent
-    from runtime.config import EngineConfig
-    from runtime.engine import Engine
-
-    started = time.perf_counter()
-    print(f"[flowlang] starting the engine on {args.model} ...", file=sys.stderr)
-    engine = Engine(
-        EngineConfig(model=args.model, max_kv_tokens=args.max_kv_tokens, dtype=args.dtype)
-    )
-    load_s = time.perf_counter() - started
-    try:
-        inputs = support_agent.make_inputs(engine.tokenizer, "bench")
-        users = [
-            dataclasses.replace(u, messages=u.messages[: args.turns])
-            for u in inputs.users[: args.users]
-        ]
-        batch = [{"inputs": inputs, "user": u} for u in users]
-        backend = LocalBackend(engine, record=True)
-        print(
-            f"[flowlang] W1 support agent: {len(users)} users x {args.turns} turns "
-            f"(engine ready in {load_s:.1f} s)",
-            file=sys.stderr,
-        )
-        run_started = time.perf_counter()
-        states = support_agent.support_agent.run_batch(batch, backend=backend)
-        wall_s = time.perf_counter() - run_started
-        failed = [s for s in states if not hasattr(s, "messages")]
-        for state, user in list(zip(states, users, strict=True))[: args.show]:
-            if hasattr(state, "messages"):
-                _print_conversation(user.name, state.messages()[1:])
-        _print_report(engine, backend, wall_s, len(states), failed)
-    finally:
-        engine.close()
-    return 1 if failed else 0
-
-
-def _print_conversation(name: str, messages: list[dict]) -> None:
-    print(f"\n=== {name} ===")
-    for message in messages:
-        body = textwrap.shorten(message["content"], 300, placeholder=" ...")
-        print(textwrap.fill(f"{message['role']:>9}: {body}", 100, subsequent_indent=" " * 11))
-
-
-def _print_report(engine, backend, wall_s: float, num_programs: int, failed: list) -> None:
-    stats = engine.stats()
-    report = backend.prompt_report()
-    computed = stats["prefill_tokens_total"]
-    print("\n=== radix cache (top of the tree) ===")
-    print(engine.describe_cache(max_depth=3, max_children=3))
-    print("\n=== cache report ===")
-    rows = [
-        ("programs run", f"{num_programs} ({len(failed)} failed)"),
-        ("requests", f"{report['requests']}"),
-        ("prompt tokens sent", f"{report['prompt_tokens']:,}"),
-        ("unique prompt tokens (union prefix tree)", f"{report['unique_prompt_tokens']:,}"),
-        ("lower bound (unique minus KV computed while decoding)", f"{report['lower_bound']:,}"),
-        ("prefill tokens computed", f"{computed:,}"),
-        ("cache hit rate", f"{stats['cache_hit_rate']:.1%}"),
-        ("decode tokens", f"{stats['decode_tokens_total']:,}"),
-        ("forward passes", f"{stats['forward_passes_total']:,}"),
-        ("peak KV slots in use", f"{stats['kv_slots_peak']:,} of {stats['kv_slots_total']:,}"),
-        ("wall time", f"{wall_s:.1f} s"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"{key:<{width}}  {value}")
-    for error in failed:
-        print(f"\n{error}\n{error.traceback_text}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ class Content:
     num_roles: int = 0
 
     def copy(self) -> Content:
+        """An independent copy (a fork branch continues from it)."""
         return Content(
             list(self.ids),
             self.text,
@@ -56,11 +57,13 @@ class Renderer:
             self.role_end(content, node.role)
 
     def text(self, content: Content, text: str) -> None:
+        """Append plain text, tokenized on its own."""
         # the very first segment of plain text gets the tokenizer's BOS, as a prompt would
         ids = self.backend.tokenize(text, add_special_tokens=not content.ids)
         content.append(text, ids)
 
     def role_begin(self, content: Content, role: str) -> None:
+        """Open a `role` message: the template's prefix for it."""
         if content.open_role is not None:
             raise ProgramError(
                 f"{role!r} message started inside an open {content.open_role!r} "
@@ -74,6 +77,7 @@ class Renderer:
         content.num_roles += 1
 
     def role_end(self, content: Content, role: str) -> None:
+        """Close the open message: the template's suffix; the message is recorded."""
         body = content.text[content.open_role_start :]
         markup = self.backend.chat_format.markup(role, first=content.num_roles == 1)
         content.append(markup.suffix, self.backend.tokenize(markup.suffix))

@@ -1,21 +1,21 @@
 """StreamExecutor: runs one state's IR nodes in order on a worker thread.
 
 The program thread only appends nodes (so it runs ahead and exposes future work); reading a
-variable waits for the node that defines it. This file is the one place that dispatches on
-node kind.
+variable waits for the node that defines it. This is the one place that runs nodes.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-import uuid
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from flowlang.backends.base import Backend, PinLease
+from flowlang.backends.base import PinLease
 from flowlang.content import Content, Renderer
+from flowlang.context import RunContext
 from flowlang.errors import (
     ExecutionError,
     FlowlangError,
@@ -24,82 +24,35 @@ from flowlang.errors import (
     UnknownVariableError,
 )
 from flowlang.ir import Fork, Gen, Join, Node, RoleBegin, RoleEnd, Select, Text
+from flowlang.results import appended_ids, gen_meta, parse_output
+from flowlang.selection import choose
 from runtime.protocol import GenerateRequest, GraphHints, ScoreRequest
 
 _END = object()
 
 
 @dataclass
-class RunContext:
-    """Shared by every state of one program run."""
-
-    backend: Backend
-    namespace: str | None = None
-    program_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    priority: int = 0
-    pins: list[PinLease] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    fork_count: int = 0
-    executors: list[StreamExecutor] = field(default_factory=list)
-    error: BaseException | None = None
-
-    def next_fork_id(self) -> str:
-        with self.lock:
-            self.fork_count += 1
-            return f"{self.program_id}-f{self.fork_count}"
-
-    def fail(self, err: BaseException) -> None:
-        """The first failure stops the whole run: every state drains and wakes its readers."""
-        with self.lock:
-            if self.error is None:
-                self.error = err
-            executors = list(self.executors)
-        for executor in executors:
-            executor.wake_all()
-
-    def sync_all(self) -> None:
-        """Wait for every state of the run; raise the first failure."""
-        first: BaseException | None = None
-        index = 0
-        while index < len(self.executors):
-            executor = self.executors[index]
-            try:
-                executor.sync()
-            except ExecutionError as err:
-                first = first or err
-            index += 1
-        if first is not None:
-            raise first
-
-    def close_all(self) -> None:
-        for executor in list(self.executors):
-            executor.close()
-        with self.lock:
-            pins, self.pins = self.pins, []
-        for pin in pins:
-            pin.release()
-
-
-@dataclass
 class _ForkRecord:
     branches: list[StreamExecutor]
     pin: PinLease | None = None
-    joined: bool = False
     text_len: int = 0  # the parent's content when it forked: where branches' own parts start
     ids_len: int = 0
 
 
 class StreamExecutor:
+    """Runs the nodes of one state (the root or a fork branch) on its own worker thread."""
+
     def __init__(
         self, ctx: RunContext, branch_id: str = "0", fork_group: tuple[str, int] | None = None
     ) -> None:
         self.ctx = ctx
+        self.program_id = ctx.program_id
         self.branch_id = branch_id
         self.fork_group = fork_group
         self.renderer = Renderer(ctx.backend)
         self.content = Content()
         self.variables: dict[str, Any] = {}
-        self.meta: dict[str, dict[str, Any]] = {}
+        self.metadata: dict[str, dict[str, Any]] = {}
         self.declared: set[str] = set()
         self.streams: dict[str, queue.Queue] = defaultdict(queue.Queue)
         self.forks: dict[str, _ForkRecord] = {}
@@ -126,11 +79,23 @@ class StreamExecutor:
         self._started.set()
 
     def submit(self, node: Node) -> None:
+        """Queue a node for the worker; returns at once."""
         if isinstance(node, Gen | Select):
             self.declared.add(node.name)
         with self._idle:
             self._pending += 1
         self._queue.put(node)
+
+    def fork(self, num_branches: int) -> tuple[str, list[StreamExecutor]]:
+        """Queue a fork; its branches start from this state's content when the worker gets there."""
+        fork_id = self.ctx.next_fork_id()
+        branches = [
+            StreamExecutor(self.ctx, f"{self.branch_id}.{i}", (fork_id, num_branches))
+            for i in range(num_branches)
+        ]
+        self.forks[fork_id] = _ForkRecord(branches)
+        self.submit(Fork(fork_id, num_branches))
+        return fork_id, branches
 
     def get(self, name: str) -> Any:
         """The value of variable `name`, waiting for the node that defines it."""
@@ -147,6 +112,25 @@ class StreamExecutor:
             raise ExecutionError(f"{name!r} was not produced: {cause!r}") from cause
         return self.variables[name]
 
+    def meta(self, name: str) -> dict[str, Any]:
+        """What the node that defined `name` reported, once it ran."""
+        self.get(name)
+        return self.metadata[name]
+
+    def stream(self, name: str) -> Iterator[str]:
+        """The text deltas of gen `name` as the backend produces them."""
+        if name not in self.declared:
+            self.get(name)  # raises the clear unknown-variable error
+        deltas = self.streams[name]
+        while (delta := deltas.get()) is not _END:
+            yield delta
+        deltas.put(_END)  # a later iteration ends too
+
+    def settle(self, reading: str) -> tuple[Content, dict[str, Any]]:
+        """Content and variables once every submitted node ran (`reading` is for tracing)."""
+        self.sync()
+        return self.content, self.variables
+
     def sync(self) -> None:
         """Wait until every submitted node ran; raise the first failure."""
         with self._idle:
@@ -158,6 +142,7 @@ class StreamExecutor:
             raise ExecutionError(f"program failed: {cause!r}") from cause
 
     def close(self) -> None:
+        """End the worker once it has run what is queued."""
         self._started.set()
         self._queue.put(_END)
 
@@ -166,8 +151,8 @@ class StreamExecutor:
         self._started.set()
         for event in list(self._events.values()):
             event.set()
-        for stream in list(self.streams.values()):
-            stream.put(_END)
+        for deltas in list(self.streams.values()):
+            deltas.put(_END)
 
     # ------------------------------------------------------------------ worker side
     def _run(self) -> None:
@@ -227,42 +212,16 @@ class StreamExecutor:
         stream.put(_END)
         if result.finish_reason == "error":
             raise ExecutionError(f"gen({node.name!r}) failed: {result.error}")
-        ids = list(result.output_ids)
-        if isinstance(result.matched_stop, str):
-            ids = self.ctx.backend.tokenize(result.text)  # the text was cut inside a token
-        elif result.matched_stop is not None and ids and ids[-1] == result.matched_stop:
-            ids = ids[:-1]  # the stop token is markup, not content (roles add their own)
-        self.content.append(result.text, ids)
-        meta = {
-            "prompt_tokens": result.prompt_tokens,
-            "cached_tokens": result.cached_tokens,
-            "completion_tokens": result.completion_tokens,
-            "finish_reason": result.finish_reason,
-            "output_ids": list(result.output_ids),
-            "logprobs": result.logprobs,
-            "raw_text": result.text,
-        }
-        value = result.text
-        if node.parse is not None:
-            try:
-                value = node.parse(result.text)
-            except ValueError as err:  # pydantic's ValidationError is a ValueError
-                self.meta[node.name] = meta
-                cut = (
-                    f"cut by max_new_tokens={node.params.max_new_tokens}"
-                    if result.finish_reason == "length"
-                    else f"ended by {result.finish_reason}"
-                )
-                raise InvalidOutputError(
-                    f"gen({node.name!r}) {cut} after {result.completion_tokens} tokens; its text "
-                    f"is not a valid {node.parse_label}: {str(err).splitlines()[0]}; raw text: "
-                    f"{result.text!r}"
-                ) from err
+        self.content.append(result.text, appended_ids(result, self.ctx.backend))
+        meta = gen_meta(result)
+        try:
+            value = parse_output(node, result)
+        except InvalidOutputError:
+            self.metadata[node.name] = meta  # the raw output stays inspectable
+            raise
         self._define(node.name, value, meta)
 
     def _select(self, node: Select) -> None:
-        from flowlang.selection import choose
-
         if not self.content.ids:
             raise ProgramError(f"select({node.name!r}) needs a prompt: add text first")
         backend = self.ctx.backend
@@ -323,7 +282,7 @@ class StreamExecutor:
             self._define(
                 name,
                 [b.variables.get(name) for b in record.branches],
-                {"branches": [b.meta.get(name) for b in record.branches]},
+                {"branches": [b.metadata.get(name) for b in record.branches]},
             )
         if node.mode == "concat":  # ... and concat also appends each branch's own part
             for branch in record.branches:
@@ -337,5 +296,5 @@ class StreamExecutor:
 
     def _define(self, name: str, value: Any, meta: dict[str, Any]) -> None:
         self.variables[name] = value
-        self.meta[name] = meta
+        self.metadata[name] = meta
         self._events[name].set()

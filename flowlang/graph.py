@@ -1,22 +1,17 @@
 """RequestGraph: a program traced without running (`program.compile`), printed and measured.
 
-Generated values are placeholders while tracing; reading one (control flow that depends on a
-generation) ends the static part, and the graph says so.
+`flowlang.tracing` builds it; the prompts of requests whose prompt holds a generated value are
+unknown (dynamic), and a trace that stopped early says why.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from flowlang.backends.base import Backend
-from flowlang.content import Content, Renderer
-from flowlang.errors import ProgramError
 from flowlang.ir import Fork, Gen, Join, Node, RoleBegin, RoleEnd, Select, Text
-from flowlang.prefix import union_prefix_tokens
-from flowlang.primitives import to_nodes
+from runtime.prefix import kv_bytes_per_token_of, union_prefix_tokens
 
 
 @dataclass(frozen=True)
@@ -90,12 +85,14 @@ class RequestGraph:
         return "\n".join(lines)
 
     def static_prompts(self) -> list[tuple[int, ...]]:
+        """The prompt ids of every request whose prompt is known before running."""
         return [r.prompt_ids for r in self.requests if r.prompt_ids is not None]
 
     def first_prompt(self) -> tuple[int, ...] | None:
+        """The first request's prompt ids (None: no request, or a dynamic prompt)."""
         return self.requests[0].prompt_ids if self.requests else None
 
-    def prefix_report(self, model_config: Any, others: list[RequestGraph] = ()) -> PrefixReport:
+    def prefix_report(self, model_config: Any, others: Sequence[RequestGraph] = ()) -> PrefixReport:
         """Total vs unique prompt tokens of the static requests (of this graph and `others`)
         and the KV memory the shared prefixes save for `model_config`."""
         graphs = [self, *others]
@@ -106,159 +103,8 @@ class RequestGraph:
             dynamic,
             sum(map(len, prompts)),
             union_prefix_tokens(prompts),
-            kv_bytes_per_token(model_config),
+            kv_bytes_per_token_of(model_config),
         )
-
-
-def kv_bytes_per_token(model_config: Any) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x dtype bytes, from a transformers config
-    (or a dict with the same keys)."""
-    get = (
-        model_config.get
-        if isinstance(model_config, dict)
-        else (lambda key, default=None: getattr(model_config, key, default))
-    )
-    layers = get("num_hidden_layers")
-    heads = get("num_attention_heads")
-    kv_heads = get("num_key_value_heads") or heads
-    head_dim = get("head_dim") or get("hidden_size") // heads
-    dtype = str(get("torch_dtype") or get("dtype") or "float32").replace("torch.", "")
-    element = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}[dtype]
-    return 2 * layers * kv_heads * head_dim * element
-
-
-# ---------------------------------------------------------------------- tracing
-class _StopTracing(Exception):
-    """Raised when a traced program reads a generated value."""
-
-
-class TraceState:
-    """Records what a program appends; generated values are unknown while tracing."""
-
-    def __init__(self, tracer: Tracer, branch: str) -> None:
-        self._tracer = tracer
-        self._items: list[Node | Branches] = []
-        self._branch = branch
-        self._forks: dict[str, list[TraceState]] = {}
-        self._joined: set[str] = set()
-        self._fork_id: str | None = None
-
-    def __iadd__(self, other: Any) -> TraceState:
-        self._items.extend(to_nodes(other))
-        return self
-
-    @contextlib.contextmanager
-    def role(self, name: str) -> Iterator[TraceState]:
-        self._items.append(RoleBegin(name))
-        try:
-            yield self
-        finally:
-            self._items.append(RoleEnd(name))
-
-    def system(self):
-        return self.role("system")
-
-    def user(self):
-        return self.role("user")
-
-    def assistant(self):
-        return self.role("assistant")
-
-    def fork(self, num_branches: int) -> list[TraceState]:
-        if not isinstance(num_branches, int) or num_branches < 1:
-            raise ProgramError(f"fork() needs a positive number of branches, got {num_branches!r}")
-        self._tracer.num_forks += 1
-        fork = Fork(f"f{self._tracer.num_forks}", num_branches)
-        branches = [TraceState(self._tracer, f"{self._branch}.{i}") for i in range(num_branches)]
-        for b in branches:
-            b._fork_id = fork.fork_id
-        self._forks[fork.fork_id] = branches
-        self._items.append(_PendingBranches(fork, branches))
-        return branches
-
-    def join(self, branches: list[TraceState], mode: str = "gather") -> None:
-        fork_id = branches[0]._fork_id if branches else None
-        if fork_id not in self._forks or fork_id in self._joined:
-            raise ProgramError("join() takes the branches of one fork() of this state, once")
-        self._joined.add(fork_id)
-        self._items.append(Join(fork_id, mode))
-
-    def __getitem__(self, name: str) -> Any:
-        raise _StopTracing(f"the program reads {name!r}, a generated value")
-
-    def aget(self, name: str) -> Any:
-        raise _StopTracing(f"the program reads {name!r}, a generated value")
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self[name]
-
-    def text(self) -> str:
-        raise _StopTracing("the program reads its text")
-
-    def messages(self) -> list:
-        raise _StopTracing("the program reads its messages")
-
-    def meta(self, name: str) -> dict:
-        raise _StopTracing(f"the program reads meta of {name!r}")
-
-    def sync(self) -> TraceState:
-        return self
-
-    def stream(self) -> Stream:
-        items = tuple(
-            Branches(i.fork, tuple(b.stream() for b in i.branches))
-            if isinstance(i, _PendingBranches)
-            else i
-            for i in self._items
-        )
-        return Stream(items)
-
-
-@dataclass
-class _PendingBranches:
-    fork: Fork
-    branches: list[TraceState]
-
-
-@dataclass
-class Tracer:
-    num_forks: int = 0
-
-
-@dataclass
-class _Simulation:
-    renderer: Renderer
-    requests: list[RequestInfo] = field(default_factory=list)
-
-    def run(self, stream: Stream, content: Content, dynamic: bool, branch: str) -> None:
-        for item in stream.items:
-            if isinstance(item, Branches):
-                for i, sub in enumerate(item.streams):
-                    self.run(sub, content.copy(), dynamic, f"{branch}.{i}")
-            elif isinstance(item, Text | RoleBegin | RoleEnd):
-                self.renderer.apply(content, item)
-            elif isinstance(item, Gen | Select):
-                prompt = None if dynamic else tuple(content.ids)
-                kind = "gen" if isinstance(item, Gen) else "select"
-                self.requests.append(RequestInfo(kind, item.name, branch, prompt))
-                dynamic = True  # what follows contains a generated value
-
-
-def trace(program_name: str, fn, backend: Backend, args: tuple, kwargs: dict) -> RequestGraph:
-    tracer = Tracer()
-    state = TraceState(tracer, "0")
-    reason = None
-    try:
-        result = fn(state, *args, **kwargs)
-        if hasattr(result, "__await__"):
-            result.close()
-            reason = "async programs are traced up to their first await"
-    except _StopTracing as stop:
-        reason = str(stop)
-    root = state.stream()
-    simulation = _Simulation(Renderer(backend))
-    simulation.run(root, Content(), False, "0")
-    return RequestGraph(program_name, root, tuple(simulation.requests), reason)
 
 
 def _dump_stream(stream: Stream, depth: int, lines: list[str]) -> None:

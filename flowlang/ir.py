@@ -1,7 +1,7 @@
 """The request-graph IR: small frozen nodes with no execution logic.
 
-A program's stream is a sequence of these. `flowlang.executor` is the one place that
-dispatches on node kind to run them; `flowlang.graph` prints and measures them.
+A program's stream is a sequence of these. `flowlang.executor` runs them,
+`flowlang.tracing` records them into a RequestGraph, `flowlang.graph` prints and measures them.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 from runtime.protocol import Constraint, SamplingParams
 
 SELECT_METHODS = ("token_length_normalized", "greedy", "unconditional_likelihood_normalized")
+JOIN_MODES = ("gather", "concat")
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class Fork:
 @dataclass(frozen=True)
 class Join:
     fork_id: str
-    mode: str  # "gather" | "concat"
+    mode: str  # one of JOIN_MODES
 
 
 Node = Text | RoleBegin | RoleEnd | Gen | Select | Fork | Join

@@ -13,10 +13,12 @@ from typing import Any
 from flowlang.backends import get_default_backend
 from flowlang.backends.base import Backend
 from flowlang.batch import SharedPrefixPins
+from flowlang.context import RunContext
 from flowlang.errors import InstanceError
-from flowlang.executor import RunContext
-from flowlang.graph import RequestGraph, trace
-from flowlang.state import ProgramState, new_state
+from flowlang.executor import StreamExecutor
+from flowlang.graph import RequestGraph
+from flowlang.state import ProgramState
+from flowlang.tracing import trace
 
 
 class Program:
@@ -87,7 +89,9 @@ class Program:
     ) -> tuple[RunContext, ProgramState, Any]:
         """Start a run: a fresh context and state, and the body called (appending nodes)."""
         ctx = RunContext(backend or get_default_backend(), namespace, priority=priority)
-        state = new_state(ctx)
+        root = StreamExecutor(ctx)
+        root.start()
+        state = ProgramState(root)
         try:
             return ctx, state, self.fn(state, *args, **kwargs)
         except BaseException:

@@ -1,16 +1,49 @@
-"""ProgramState: the `s` a program writes to. Appending never blocks; reading waits."""
+"""ProgramState: the `s` a program writes to, the one state API for running and for tracing.
+
+Appending never blocks; reading waits. The state owns every user-facing method and checks
+its arguments at the call; an Executor runs the nodes: StreamExecutor generates, the
+tracer's RecordingExecutor only records them and stops the trace when a generated value is read.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
+from flowlang.content import Content
 from flowlang.errors import ProgramError
-from flowlang.executor import _END, RunContext, StreamExecutor, _ForkRecord
-from flowlang.ir import Fork, Join, RoleBegin, RoleEnd
+from flowlang.ir import JOIN_MODES, Join, Node, RoleBegin, RoleEnd
 from flowlang.primitives import to_nodes
+
+
+class Executor(Protocol):
+    """What runs a state's nodes; every read may block (running) or stop (tracing)."""
+
+    program_id: str
+    branch_id: str
+
+    def submit(self, node: Node) -> None:
+        """Append a node to this stream; returns at once."""
+
+    def fork(self, num_branches: int) -> tuple[str, Sequence[Executor]]:
+        """Append a fork; its id and one executor per branch."""
+
+    def get(self, name: str) -> Any:
+        """The value of variable `name`, once the node that defines it ran."""
+
+    def meta(self, name: str) -> dict[str, Any]:
+        """What the node that defined `name` reported (tokens, scores, ...)."""
+
+    def stream(self, name: str) -> Iterator[str]:
+        """The text of gen `name` as it is generated."""
+
+    def settle(self, reading: str) -> tuple[Content, dict[str, Any]]:
+        """Content and variables once every node so far ran; `reading` names what is read."""
+
+    def sync(self) -> None:
+        """Wait until every node so far ran (raises a failure)."""
 
 
 class ProgramState:
@@ -21,8 +54,11 @@ class ProgramState:
     >>> s["answer"]                            # doctest: +SKIP
     """
 
-    def __init__(self, executor: StreamExecutor) -> None:
+    def __init__(self, executor: Executor, fork_id: str | None = None) -> None:
         self._executor = executor
+        self._fork_id = fork_id  # the fork this state is a branch of
+        self._forks: dict[str, list[ProgramState]] = {}  # forks of this state, by id
+        self._joined: set[str] = set()
         self.return_value: Any = None  # what the program function returned
 
     # ------------------------------------------------------------------ writing
@@ -41,50 +77,45 @@ class ProgramState:
             self._executor.submit(RoleEnd(name))
 
     def system(self) -> contextlib.AbstractContextManager[ProgramState]:
+        """A system message: `with s.system(): ...`."""
         return self.role("system")
 
     def user(self) -> contextlib.AbstractContextManager[ProgramState]:
+        """A user message: `with s.user(): ...`."""
         return self.role("user")
 
     def assistant(self) -> contextlib.AbstractContextManager[ProgramState]:
+        """An assistant message: `with s.assistant(): ...`."""
         return self.role("assistant")
 
     def fork(self, num_branches: int) -> list[ProgramState]:
         """Branches that continue from here; the shared prefix is computed once and pinned."""
         if not isinstance(num_branches, int) or num_branches < 1:
             raise ProgramError(f"fork() needs a positive number of branches, got {num_branches!r}")
-        ex = self._executor
-        fork_id = ex.ctx.next_fork_id()
-        branches = [
-            StreamExecutor(ex.ctx, f"{ex.branch_id}.{i}", (fork_id, num_branches))
-            for i in range(num_branches)
-        ]
-        ex.forks[fork_id] = _ForkRecord(branches)
-        ex.submit(Fork(fork_id, num_branches))
-        states = [ProgramState(b) for b in branches]
-        for state in states:
-            state._fork_id = fork_id
-        return states
+        fork_id, executors = self._executor.fork(num_branches)
+        branches = [ProgramState(executor, fork_id) for executor in executors]
+        self._forks[fork_id] = branches
+        return list(branches)
 
     def join(self, branches: list[ProgramState], mode: str = "gather") -> None:
         """Wait for `branches` and gather their variables into lists on this state; with
         mode="concat", also append each branch's own text (and tokens) to this state."""
-        if mode not in ("gather", "concat"):
-            raise ProgramError(f"join mode must be 'gather' or 'concat', got {mode!r}")
+        if mode not in JOIN_MODES:
+            allowed = " or ".join(repr(m) for m in JOIN_MODES)
+            raise ProgramError(f"join mode must be {allowed}, got {mode!r}")
         if not branches:
             raise ProgramError("join() needs the branches of a fork()")
-        fork_ids = {getattr(b, "_fork_id", None) for b in branches}
+        fork_ids = {b._fork_id if isinstance(b, ProgramState) else None for b in branches}
         if len(fork_ids) != 1 or None in fork_ids:
             raise ProgramError("join() takes the branches of one fork() of this state")
         (fork_id,) = fork_ids
-        record = self._executor.forks.get(fork_id)
-        if record is None:
+        if fork_id not in self._forks:
             raise ProgramError("join() takes branches forked from this state")
-        if record.joined:
+        if fork_id in self._joined:
             raise ProgramError("these branches were already joined")
-        if [b._executor for b in branches] != record.branches:
+        if list(branches) != self._forks[fork_id]:
             raise ProgramError("join() needs all branches of the fork, in order")
-        record.joined = True
+        self._joined.add(fork_id)
         self._executor.submit(Join(fork_id, mode))
 
     # ------------------------------------------------------------------ reading
@@ -96,39 +127,39 @@ class ProgramState:
         return await asyncio.to_thread(self._executor.get, name)
 
     def get(self, name: str, default: Any = None) -> Any:
+        """`s[name]`, or `default` for a name no gen/select of this state defines."""
         try:
             return self[name]
         except KeyError:
             return default
 
     def text(self) -> str:
-        self.sync()
-        return self._executor.content.text
+        """All text so far (waits for every node appended)."""
+        content, _ = self._executor.settle("its text")
+        return content.text
 
     def token_ids(self) -> list[int]:
-        self.sync()
-        return list(self._executor.content.ids)
+        """All token ids so far (waits for every node appended)."""
+        content, _ = self._executor.settle("its token ids")
+        return list(content.ids)
 
     def messages(self) -> list[dict[str, str]]:
-        self.sync()
-        return [dict(m) for m in self._executor.content.messages]
+        """The chat messages so far, as {"role", "content"} dicts."""
+        content, _ = self._executor.settle("its messages")
+        return [dict(m) for m in content.messages]
 
     def meta(self, name: str) -> dict[str, Any]:
-        self[name]
-        return self._executor.meta[name]
+        """What the gen/select that defined `name` reported (token counts, scores, ...)."""
+        return self._executor.meta(name)
 
     def variables(self) -> dict[str, Any]:
-        self.sync()
-        return dict(self._executor.variables)
+        """Every variable of this state (waits for every node appended)."""
+        _, variables = self._executor.settle("its variables")
+        return dict(variables)
 
     def text_iter(self, name: str) -> Iterator[str]:
         """The text of gen `name` as it streams."""
-        if name not in self._executor.declared:
-            self._executor.get(name)  # raises the clear unknown-variable error
-        stream = self._executor.streams[name]
-        while (delta := stream.get()) is not _END:
-            yield delta
-        stream.put(_END)  # a later iteration ends too
+        yield from self._executor.stream(name)
 
     def sync(self) -> ProgramState:
         """Wait until everything appended so far has run (raises a failure)."""
@@ -137,13 +168,7 @@ class ProgramState:
 
     @property
     def program_id(self) -> str:
-        return self._executor.ctx.program_id
+        return self._executor.program_id
 
     def __repr__(self) -> str:
         return f"ProgramState(program={self.program_id}, branch={self._executor.branch_id})"
-
-
-def new_state(ctx: RunContext) -> ProgramState:
-    executor = StreamExecutor(ctx)
-    executor.start()
-    return ProgramState(executor)

@@ -45,6 +45,7 @@ class Subject:
 
 
 def make_inputs(tokenizer, size: str = "test", seed: int = 0) -> tuple[Subject, ...]:
+    """Deterministic W2 inputs: subjects with their shots and questions."""
     num_subjects, num_questions = SIZES[size]
     count = token_counter(tokenizer)
     text = TextBuilder(seed + 2, count)
@@ -73,6 +74,7 @@ def make_inputs(tokenizer, size: str = "test", seed: int = 0) -> tuple[Subject, 
 def fewshot_choice(
     s, subject: Subject, question: Question, method: str = "token_length_normalized"
 ):
+    """The subject's few-shot block, the question, then a select of the answer letter."""
     s += fewshot(
         FEWSHOT_TEMPLATE,
         [{"question": q.text, "options": q.options, "answer": q.answer} for q in subject.shots],

@@ -36,6 +36,7 @@ class Document:
 
 
 def make_inputs(tokenizer, size: str = "test", seed: int = 0) -> list[Document]:
+    """Deterministic W5 inputs: support emails with known facts."""
     text = TextBuilder(seed + 8, token_counter(tokenizer))
     rng = random.Random(seed + 9)
     documents = []
@@ -54,6 +55,7 @@ def make_inputs(tokenizer, size: str = "test", seed: int = 0) -> list[Document]:
 
 @program
 def json_extraction(s, document: Document, temperature: float = 0.0, seed: int | None = None):
+    """A support email, then its ticket generated as schema-constrained JSON."""
     s += system("You read support emails and extract the ticket as JSON.")
     s += user(f"{document.text}\n\nExtract the ticket as JSON.")
     s += assistant(

@@ -20,6 +20,7 @@ class Case:
 
 
 def make_inputs(tokenizer, size: str = "test", seed: int = 0) -> list[Case]:
+    """Deterministic W4 inputs: a question and an agent reply to judge per case."""
     text = TextBuilder(seed + 5, token_counter(tokenizer))
     return [
         Case(text.paragraph(40, templates=QUESTIONS), text.paragraph(ANSWER_TOKENS))
@@ -29,6 +30,7 @@ def make_inputs(tokenizer, size: str = "test", seed: int = 0) -> list[Case]:
 
 @program
 def judge(s, case: Case, temperature: float = 0.0):
+    """One assessment per criterion in forked branches, joined, then a merged verdict."""
     s += system("You grade support replies strictly and briefly.")
     s += user(f"Customer question: {case.question}\n\nAgent reply: {case.answer}")
     branches = s.fork(len(CRITERIA))

@@ -1,4 +1,4 @@
-"""W6, multi-turn chat: its inputs (seeded) and, with the flowlang issue, its program.
+"""W6, multi-turn chat: its seeded inputs and its program.
 
 Shape: a shared system prompt (~200 tokens) -> 4 turns per conversation; user messages of
 30-60 tokens; each turn's assistant `gen` <= 64 tokens.
@@ -26,6 +26,7 @@ class MultiTurnInputs:
 
 
 def make_inputs(tokenizer, size: str = "test", seed: int = 0) -> MultiTurnInputs:
+    """Deterministic W6 inputs: one system prompt and every conversation's user messages."""
     num_convs, num_turns = SIZES[size]
     count = token_counter(tokenizer)
     text = TextBuilder(seed + 6, count)
@@ -49,9 +50,10 @@ def multi_turn_chat(
     s,
     system_prompt: str,
     messages: tuple[str, ...],
-    reply_tokens: int = 64,
+    reply_tokens: int = REPLY_TOKENS,
     temperature: float = 0.0,
 ):
+    """The system prompt, then one user message and one generated reply per turn."""
     s += system(system_prompt)
     for turn, message in enumerate(messages):
         s += user(message)
@@ -59,6 +61,7 @@ def multi_turn_chat(
 
 
 def batch_args(inputs: MultiTurnInputs, temperature: float = 0.0) -> list[dict]:
+    """run_batch arguments: one program instance per conversation."""
     return [
         {
             "system_prompt": inputs.system_prompt,

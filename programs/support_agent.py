@@ -1,4 +1,4 @@
-"""W1, the support agent: its inputs (seeded) and, with the flowlang issue, its program.
+"""W1, the support agent: its seeded inputs and its program.
 
 Shape: system prompt S (512 tokens) -> few-shot block F (1,543 tokens) -> a conversation of T
 turns per user (user message 80-120 tokens, assistant reply <= 48 tokens). One user in 8 has a

@@ -115,6 +115,7 @@ class TextBuilder:
         self.count_tokens = count_tokens
 
     def fill(self, template: str) -> str:
+        """`template` with a seeded topic, product, adjective, verb and name."""
         r = self.rng
         return template.format(
             topic=r.choice(TOPICS),

@@ -17,6 +17,7 @@ PUZZLES = [
 
 
 def make_inputs(tokenizer, size: str = "test", seed: int = 0) -> list[str]:
+    """Deterministic W3 inputs: one problem statement per question."""
     text = TextBuilder(seed + 4, token_counter(tokenizer))
     return [
         f"Problem: {text.fill(PUZZLES[i % len(PUZZLES)])} {text.paragraph(40)}"
@@ -26,6 +27,7 @@ def make_inputs(tokenizer, size: str = "test", seed: int = 0) -> list[str]:
 
 @program
 def tree_of_thought(s, question: str, temperature: float = 0.0):
+    """Three levels of three-way forks of thoughts, then a select of the best leaf."""
     s += question + "\nLet us think in steps."
     leaves = [s]
     for depth in range(DEPTH):

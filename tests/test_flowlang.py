@@ -206,6 +206,77 @@ def test_compile_stops_at_a_read_and_says_so():
     assert [r.name for r in graph.requests] == ["x"]
 
 
+@program
+def bad_join(s, mode):
+    s += "x"
+    branches = s.fork(2)
+    s.join(branches, mode=mode)
+
+
+def test_join_mode_is_checked_at_the_call_when_tracing_and_running(mock):
+    expected = "join mode must be 'gather' or 'concat', got 'merge'"
+    with pytest.raises(ProgramError, match=expected):
+        bad_join.compile("merge")
+    with pytest.raises(ProgramError, match=expected):
+        bad_join.run("merge")
+    assert not mock.requests and not mock.pins
+    assert bad_join.compile("concat").dump().splitlines()[-1] == "  join f1 (concat)"
+
+
+def test_tracing_and_running_check_the_same_state_api(mock):
+    @program
+    def misuse(s, error):
+        s += "x"
+        first, second = s.fork(2), s.fork(2)
+        if error == "fork":
+            s.fork(0)
+        elif error == "twice":
+            s.join(first)
+            s.join(first)
+        elif error == "mixed":
+            s.join([first[0], second[1]])
+        elif error == "order":
+            s.join(first[::-1])
+
+    cases = {
+        "fork": "positive number of branches",
+        "twice": "already joined",
+        "mixed": "branches of one fork",
+        "order": "all branches of the fork, in order",
+    }
+    for error, message in cases.items():
+        with pytest.raises(ProgramError, match=message):
+            misuse.compile(error)
+        with pytest.raises(ProgramError, match=message):
+            misuse.run(error)
+
+
+@program
+def reader(s, read):
+    with s.user():
+        s += "Q"
+    s += gen("x", max_new_tokens=2)
+    s.sync()  # nothing to wait for while tracing
+    read(s)
+    s += gen("never_traced")
+
+
+def test_tracing_stops_at_any_read_of_run_output():
+    reads = [
+        (lambda s: s.text(), "the program reads its text"),
+        (lambda s: s.token_ids(), "the program reads its token ids"),
+        (lambda s: s.messages(), "the program reads its messages"),
+        (lambda s: s.variables(), "the program reads its variables"),
+        (lambda s: s.meta("x"), "the program reads meta of 'x'"),
+        (lambda s: s.get("x"), "the program reads 'x', a generated value"),
+        (lambda s: list(s.text_iter("x")), "the program streams 'x', a generated value"),
+    ]
+    for read, reason in reads:
+        graph = reader.compile(read, backend=MockBackend())
+        assert graph.partial_reason == reason
+        assert [r.name for r in graph.requests] == ["x"]
+
+
 def test_run_batch_reports_a_failing_instance_and_finishes_the_rest(mock):
     mock.fail_on = "boom"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flowlang.prefix import prefill_lower_bound, union_prefix_tokens
+from runtime.prefix import prefill_lower_bound, union_prefix_tokens
 
 seqs = st.lists(st.lists(st.integers(0, 3), max_size=8), max_size=8)
 

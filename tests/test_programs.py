@@ -8,10 +8,10 @@ import torch
 import flowlang as fl
 from flowlang import gen, program, select
 from flowlang.backends.local import LocalBackend
-from flowlang.prefix import union_prefix_tokens
 from programs import fewshot_choice, judge, multi_turn_chat, support_agent, tree_of_thought
 from runtime.config import EngineConfig
 from runtime.engine import Engine
+from runtime.prefix import union_prefix_tokens
 from runtime.protocol import GenerateRequest, SamplingParams
 
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flowlang.prefix import prefill_lower_bound, union_prefix_tokens
 from programs import multi_turn_chat, support_agent
 from runtime.config import EngineConfig
 from runtime.engine import Engine
+from runtime.prefix import prefill_lower_bound, union_prefix_tokens
 from runtime.protocol import GenerateRequest, SamplingParams
 
 

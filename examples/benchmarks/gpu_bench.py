@@ -121,10 +121,10 @@ def prefill_s(engine, num_tokens: int) -> float:
 
 
 def w1_prefill(engine) -> tuple[int, int]:
-    from flowlang.prefix import union_prefix_tokens
     from programs import support_agent
     from runtime.model.loader import load_tokenizer
     from runtime.model.registry import resolve_model
+    from runtime.prefix import union_prefix_tokens
     from runtime.protocol import GenerateRequest, SamplingParams
 
     tokenizer = load_tokenizer(resolve_model("smollm2-135m-instruct"))

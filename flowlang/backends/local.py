@@ -6,7 +6,8 @@ import threading
 from typing import Any
 
 from flowlang.backends.base import Backend, GenerationHandle, PinLease
-from flowlang.chat import ChatFormat
+from flowlang.chat import CHATML, ChatFormat
+from runtime.prefix import prefill_lower_bound, union_prefix_tokens
 from runtime.protocol import GenerateRequest, GraphHints, ScoreRequest, ScoreResult
 
 
@@ -26,8 +27,6 @@ class LocalBackend(Backend):
         tokenizer = engine.tokenizer
         if tokenizer is None:
             raise ValueError("LocalBackend needs a model with a tokenizer")
-        from flowlang.chat import CHATML
-
         self.chat_format = ChatFormat(
             tokenizer.chat_template or CHATML, tokenizer.bos_token or "", tokenizer.eos_token or ""
         )
@@ -53,8 +52,6 @@ class LocalBackend(Backend):
         """From the recorded requests: prompt tokens sent, unique (union prefix tree) and the
         prefill lower bound (unique minus KV computed while decoding). A scored
         continuation's last token needs no KV, so it is not counted."""
-        from flowlang.prefix import prefill_lower_bound, union_prefix_tokens
-
         with self._log_lock:
             generations, scores = list(self.generations), list(self.scores)
         prompts = [list(r.input_ids) for r, _ in generations]

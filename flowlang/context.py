@@ -1,0 +1,67 @@
+"""RunContext: what every state of one program run shares (backend, pins, the first failure)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from flowlang.backends.base import Backend, PinLease
+from flowlang.errors import ExecutionError
+
+if TYPE_CHECKING:
+    from flowlang.executor import StreamExecutor
+
+
+@dataclass
+class RunContext:
+    """Shared by every state of one program run."""
+
+    backend: Backend
+    namespace: str | None = None
+    program_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    priority: int = 0
+    pins: list[PinLease] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    fork_count: int = 0
+    executors: list[StreamExecutor] = field(default_factory=list)
+    error: BaseException | None = None
+
+    def next_fork_id(self) -> str:
+        """A fork id unique in this run."""
+        with self.lock:
+            self.fork_count += 1
+            return f"{self.program_id}-f{self.fork_count}"
+
+    def fail(self, err: BaseException) -> None:
+        """The first failure stops the whole run: every state drains and wakes its readers."""
+        with self.lock:
+            if self.error is None:
+                self.error = err
+            executors = list(self.executors)
+        for executor in executors:
+            executor.wake_all()
+
+    def sync_all(self) -> None:
+        """Wait for every state of the run; raise the first failure."""
+        first: BaseException | None = None
+        index = 0
+        while index < len(self.executors):  # by index: branches forked meanwhile are waited for
+            executor = self.executors[index]
+            try:
+                executor.sync()
+            except ExecutionError as err:
+                first = first or err
+            index += 1
+        if first is not None:
+            raise first
+
+    def close_all(self) -> None:
+        """Stop every state's worker and release the pins still held."""
+        for executor in list(self.executors):
+            executor.close()
+        with self.lock:
+            pins, self.pins = self.pins, []
+        for pin in pins:
+            pin.release()
