@@ -2,6 +2,7 @@
 graph on an engine that prefills every shared prefix once.
 
 Importable without torch: the engine is only imported when a LocalBackend is made.
+SGLang programs run unchanged with `import flowlang.sglang as sgl` (see flowlang/sglang/).
 """
 
 from flowlang.backends import MockBackend, get_default_backend, set_default_backend

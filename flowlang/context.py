@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from flowlang.backends.base import Backend, PinLease
 from flowlang.errors import ExecutionError
+from runtime.protocol import SamplingParams
 
 if TYPE_CHECKING:
     from flowlang.executor import StreamExecutor
@@ -22,6 +23,7 @@ class RunContext:
     namespace: str | None = None
     program_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     priority: int = 0
+    sampling: SamplingParams | None = None  # run-level defaults: the fields a gen does not set
     pins: list[PinLease] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     fork_count: int = 0

@@ -23,10 +23,11 @@ from flowlang.errors import (
     ProgramError,
     UnknownVariableError,
 )
+from flowlang.feed import TextFeed
 from flowlang.ir import Fork, Gen, Join, Node, RoleBegin, RoleEnd, Select, Text
 from flowlang.results import appended_ids, gen_meta, parse_output
-from flowlang.selection import choose
-from runtime.protocol import GenerateRequest, GraphHints, ScoreRequest
+from flowlang.selection import score_choices
+from runtime.protocol import GenerateRequest, GraphHints, SamplingParams
 
 _END = object()
 
@@ -55,6 +56,7 @@ class StreamExecutor:
         self.metadata: dict[str, dict[str, Any]] = {}
         self.declared: set[str] = set()
         self.streams: dict[str, queue.Queue] = defaultdict(queue.Queue)
+        self.feed = TextFeed()  # everything appended, for `s.text_iter()`
         self.forks: dict[str, _ForkRecord] = {}
         self.error: BaseException | None = None
         self._events: dict[str, threading.Event] = defaultdict(threading.Event)
@@ -76,12 +78,16 @@ class StreamExecutor:
         """Begin executing (branches start once the parent reaches the fork)."""
         if content is not None:
             self.content = content
+            self.feed.put(content.text)
         self._started.set()
 
     def submit(self, node: Node) -> None:
         """Queue a node for the worker; returns at once."""
-        if isinstance(node, Gen | Select):
+        if isinstance(node, Gen | Select) and node.name is not None:
             self.declared.add(node.name)
+        elif isinstance(node, Join):  # its gathered variables can be read right after the join
+            for branch in self.forks[node.fork_id].branches:
+                self.declared |= branch.declared
         with self._idle:
             self._pending += 1
         self._queue.put(node)
@@ -112,13 +118,22 @@ class StreamExecutor:
             raise ExecutionError(f"{name!r} was not produced: {cause!r}") from cause
         return self.variables[name]
 
+    def set(self, name: str, value: Any) -> None:
+        """Define variable `name` now (readers waiting for it get `value`)."""
+        self.declared.add(name)
+        self._define(name, value, {})
+
     def meta(self, name: str) -> dict[str, Any]:
         """What the node that defined `name` reported, once it ran."""
         self.get(name)
         return self.metadata[name]
 
-    def stream(self, name: str) -> Iterator[str]:
-        """The text deltas of gen `name` as the backend produces them."""
+    def stream(self, name: str | None) -> Iterator[str]:
+        """The text deltas of gen `name` as the backend produces them; with no name, all the
+        text this state appends (ends when the state's program ends)."""
+        if name is None:
+            yield from self.feed
+            return
         if name not in self.declared:
             self.get(name)  # raises the clear unknown-variable error
         deltas = self.streams[name]
@@ -168,10 +183,13 @@ class StreamExecutor:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
+        self.feed.close()
 
     def _execute(self, node: Node) -> None:
         if isinstance(node, Text | RoleBegin | RoleEnd):
+            start = len(self.content.text)
             self.renderer.apply(self.content, node)
+            self.feed.put(self.content.text[start:])
         elif isinstance(node, Gen):
             self._gen(node)
         elif isinstance(node, Select):
@@ -194,71 +212,59 @@ class StreamExecutor:
             continuation=not self._queue.empty(),
         )
 
+    def _params(self, node: Gen) -> SamplingParams:
+        """The gen's own settings over the run-level defaults (SGLang's `run(temperature=...)`)."""
+        if self.ctx.sampling is None:
+            return node.params
+        own = node.params.model_dump(include=node.params.model_fields_set)
+        try:
+            return SamplingParams(**{**self.ctx.sampling.model_dump(), **own})
+        except ValueError as err:
+            raise ProgramError(f"gen({node.name!r}) with the run's sampling: {err}") from err
+
     def _gen(self, node: Gen) -> None:
         if not self.content.ids:
             raise ProgramError(f"gen({node.name!r}) needs a prompt: add text first")
         request = GenerateRequest(
             input_ids=list(self.content.ids),
-            sampling=node.params,
+            sampling=self._params(node),
             constraint=node.constraint,
             hints=self._hints(),
             namespace=self.ctx.namespace,
         )
         handle = self.ctx.backend.generate(request)
-        stream = self.streams[node.name]
+        stream = self.streams[node.name] if node.name is not None else queue.Queue()
+        streamed = ""
         for delta in handle:
             stream.put(delta)
+            self.feed.put(delta)
+            streamed += delta
         result = handle.result()
         stream.put(_END)
         if result.finish_reason == "error":
             raise ExecutionError(f"gen({node.name!r}) failed: {result.error}")
+        if result.text.startswith(streamed):  # the deltas fed so far, and what they held back
+            self.feed.put(result.text[len(streamed) :])
         self.content.append(result.text, appended_ids(result, self.ctx.backend))
         meta = gen_meta(result)
         try:
             value = parse_output(node, result)
         except InvalidOutputError:
-            self.metadata[node.name] = meta  # the raw output stays inspectable
+            if node.name is not None:
+                self.metadata[node.name] = meta  # the raw output stays inspectable
             raise
         self._define(node.name, value, meta)
 
     def _select(self, node: Select) -> None:
         if not self.content.ids:
             raise ProgramError(f"select({node.name!r}) needs a prompt: add text first")
-        backend = self.ctx.backend
-        choice_ids = [backend.tokenize(c) for c in node.choices]
-        scored = backend.score(
-            ScoreRequest(
-                prefix=list(self.content.ids),
-                continuations=choice_ids,
-                hints=self._hints(),
-                namespace=self.ctx.namespace,
-            )
+        choice_ids, decision, meta = score_choices(
+            self.ctx.backend, self.content, node, self._hints(), self.ctx.namespace
         )
-        unconditional = None
-        if node.method == "unconditional_likelihood_normalized":
-            base = self.content.open_role_prefix_ids or self.content.ids[:1]
-            unconditional = backend.score(
-                ScoreRequest(
-                    prefix=list(base), continuations=choice_ids, namespace=self.ctx.namespace
-                )
-            )
-        index, scores = choose(
-            node.method,
-            choice_ids,
-            scored.token_logprobs,
-            unconditional.token_logprobs if unconditional else None,
-        )
-        self.content.append(node.choices[index], choice_ids[index])
-        self._define(
-            node.name,
-            node.choices[index],
-            {
-                "method": node.method,
-                "scores": scores,
-                "choices": list(node.choices),
-                "token_logprobs": scored.token_logprobs,
-            },
-        )
+        chosen = node.choices[decision.index]
+        self.content.append(chosen, choice_ids[decision.index])
+        self.feed.put(chosen)
+        self._define(node.name, chosen, meta)
 
     def _fork(self, node: Fork) -> None:
         record = self.forks[node.fork_id]
@@ -286,15 +292,17 @@ class StreamExecutor:
             )
         if node.mode == "concat":  # ... and concat also appends each branch's own part
             for branch in record.branches:
-                self.content.append(
-                    branch.content.text[record.text_len :], branch.content.ids[record.ids_len :]
-                )
+                part = branch.content.text[record.text_len :]
+                self.content.append(part, branch.content.ids[record.ids_len :])
+                self.feed.put(part)
         for branch in record.branches:
             branch.close()
         if record.pin is not None:
             record.pin.release()
 
-    def _define(self, name: str, value: Any, meta: dict[str, Any]) -> None:
+    def _define(self, name: str | None, value: Any, meta: dict[str, Any]) -> None:
+        if name is None:  # an anonymous gen/select: its text is appended, nothing is kept
+            return
         self.variables[name] = value
         self.metadata[name] = meta
         self._events[name].set()

@@ -10,7 +10,8 @@ from typing import Any
 import jinja2
 
 from flowlang.errors import ProgramError
-from flowlang.ir import SELECT_METHODS, Gen, Node, RoleBegin, RoleEnd, Select, Text
+from flowlang.ir import Gen, Node, RoleBegin, RoleEnd, Select, Text
+from flowlang.selection import METHODS, ChoicesMethod, method_name
 from runtime.protocol import Constraint, SamplingParams
 
 INT_REGEX = r"-?(0|[1-9][0-9]{0,17})"
@@ -18,7 +19,7 @@ FLOAT_REGEX = r"-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,8})?"
 
 
 def gen(
-    name: str,
+    name: str | None = None,
     *,
     regex: str | None = None,
     schema: type | dict | None = None,
@@ -28,10 +29,11 @@ def gen(
 ) -> Gen:
     """Generate into variable `name`; keyword arguments are SamplingParams fields.
 
+    Without a name (SGLang's form) the text is appended to the state but kept in no variable.
     Constrain the text with one of `regex`, `schema` (a pydantic model class: s[name] is then a
     validated instance; or a JSON-schema dict: a parsed dict), `choices` or an EBNF `grammar`.
 
-    >>> gen("answer", max_new_tokens=32, stop="\n").params.max_new_tokens
+    >>> gen("answer", max_new_tokens=32, stop="\\n").params.max_new_tokens
     32
     """
     _check_name(name)
@@ -72,13 +74,13 @@ def gen(
     return Gen(name, params, constraint, parse, label)
 
 
-def gen_int(name: str, **sampling: Any) -> Gen:
+def gen_int(name: str | None = None, **sampling: Any) -> Gen:
     """Generate an integer; s[name] is an int."""
     node = gen(name, regex=INT_REGEX, **sampling)
     return Gen(node.name, node.params, node.constraint, int, "int")
 
 
-def gen_float(name: str, **sampling: Any) -> Gen:
+def gen_float(name: str | None = None, **sampling: Any) -> Gen:
     """Generate a decimal number; s[name] is a float."""
     node = gen(name, regex=FLOAT_REGEX, **sampling)
     return Gen(node.name, node.params, node.constraint, float, "float")
@@ -103,14 +105,25 @@ def _schema_constraint(name: str, schema: Any):
     )
 
 
-def select(name: str, choices: Sequence[str], method: str = "token_length_normalized") -> Select:
-    """Pick one of `choices` by the model's likelihood; the pick goes into variable `name`."""
+def select(
+    name: str | None = None,
+    choices: Sequence[str] = (),
+    method: str | ChoicesMethod = "token_length_normalized",
+) -> Select:
+    """Pick one of `choices` by the model's likelihood; the pick goes into variable `name`.
+
+    `method` is a name in flowlang.selection.METHODS or one of its objects.
+
+    >>> select("ok", choices=[" yes", " no"], method="greedy").method
+    'greedy'
+    """
     _check_name(name)
     if not choices or any(not isinstance(c, str) or not c for c in choices):
         raise ProgramError(f"select({name!r}) needs a non-empty list of non-empty strings")
-    if method not in SELECT_METHODS:
-        raise ProgramError(f"select({name!r}): unknown method {method!r}; use {SELECT_METHODS}")
-    return Select(name, tuple(choices), method)
+    known = method_name(method)
+    if known is None:
+        raise ProgramError(f"select({name!r}): unknown method {method!r}; use {list(METHODS)}")
+    return Select(name, tuple(choices), known)
 
 
 def system(*content: Any) -> list[Node]:
@@ -158,6 +171,6 @@ def to_nodes(value: Any) -> list[Node]:
     )
 
 
-def _check_name(name: str) -> None:
-    if not isinstance(name, str) or not name.isidentifier():
+def _check_name(name: str | None) -> None:
+    if name is not None and (not isinstance(name, str) or not name.isidentifier()):
         raise ProgramError(f"a variable name must be an identifier, got {name!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -14,11 +15,12 @@ from flowlang.backends import get_default_backend
 from flowlang.backends.base import Backend
 from flowlang.batch import SharedPrefixPins
 from flowlang.context import RunContext
-from flowlang.errors import InstanceError
+from flowlang.errors import InstanceError, ProgramError
 from flowlang.executor import StreamExecutor
 from flowlang.graph import RequestGraph
 from flowlang.state import ProgramState
 from flowlang.tracing import trace
+from runtime.protocol import SamplingParams
 
 
 class Program:
@@ -32,13 +34,16 @@ class Program:
     'qa'
     """
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], state_type: type[ProgramState] = ProgramState
+    ) -> None:
         params = list(inspect.signature(fn).parameters)
         if not params:
             raise TypeError(f"@program {fn.__name__} needs the state as its first parameter")
         self.fn = fn
         self.name = fn.__name__
         self.is_async = inspect.iscoroutinefunction(fn)
+        self.state_type = state_type  # what the body's `s` is (flowlang.sglang's state)
         functools.update_wrapper(self, fn)
 
     def run(
@@ -47,17 +52,28 @@ class Program:
         backend: Backend | None = None,
         namespace: str | None = None,
         priority: int = 0,
+        sampling: SamplingParams | Mapping[str, Any] | None = None,
+        stream: bool = False,
         **kwargs: Any,
     ) -> ProgramState:
-        """Run to completion and return the state (a failure raises ExecutionError)."""
-        ctx, state, result = self._begin(args, kwargs, backend, namespace, priority)
-        try:
-            if inspect.isawaitable(result):
-                result = asyncio.run(_awaited(result))
-            state.return_value = result
-            ctx.sync_all()
-        finally:
-            ctx.close_all()
+        """Run to completion and return the state (a failure raises ExecutionError).
+
+        `sampling`: run-level SamplingParams fields for every gen that does not set them.
+        `stream=True` returns at once while the body runs on a thread: `state.text_iter()`
+        streams the text, other reads wait for what they read, a failure raises at a read."""
+        ctx, state = self._start(backend, namespace, priority, sampling)
+        if not stream:
+            self._finish(ctx, state, args, kwargs)
+            return state
+
+        def body() -> None:
+            try:
+                self._finish(ctx, state, args, kwargs)
+            except BaseException as err:  # noqa: BLE001 - surfaces at the reader's next read
+                ctx.fail(err)
+
+        state.body_thread = threading.Thread(target=body, daemon=True, name=f"{self.name}-body")
+        state.body_thread.start()
         return state
 
     async def arun(
@@ -66,11 +82,13 @@ class Program:
         backend: Backend | None = None,
         namespace: str | None = None,
         priority: int = 0,
+        sampling: SamplingParams | Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> ProgramState:
         """`await program.arun(...)`: native async programs run on the caller's event loop."""
-        ctx, state, result = self._begin(args, kwargs, backend, namespace, priority)
+        ctx, state = self._start(backend, namespace, priority, sampling)
         try:
+            result = self.fn(state, *args, **kwargs)
             if inspect.isawaitable(result):
                 result = await result
             state.return_value = result
@@ -79,28 +97,42 @@ class Program:
             ctx.close_all()
         return state
 
-    def _begin(
+    def _start(
         self,
-        args: tuple,
-        kwargs: dict,
         backend: Backend | None,
         namespace: str | None,
         priority: int,
-    ) -> tuple[RunContext, ProgramState, Any]:
-        """Start a run: a fresh context and state, and the body called (appending nodes)."""
-        ctx = RunContext(backend or get_default_backend(), namespace, priority=priority)
+        sampling: SamplingParams | Mapping[str, Any] | None,
+    ) -> tuple[RunContext, ProgramState]:
+        """A fresh context and state for one run (its root stream started, empty)."""
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            try:
+                sampling = SamplingParams(**sampling)
+            except ValueError as err:
+                raise ProgramError(f"{self.name}.run(sampling=...): {err}") from err
+        ctx = RunContext(
+            backend or get_default_backend(), namespace, priority=priority, sampling=sampling
+        )
         root = StreamExecutor(ctx)
         root.start()
-        state = ProgramState(root)
+        return ctx, self.state_type(root)
+
+    def _finish(self, ctx: RunContext, state: ProgramState, args: tuple, kwargs: dict) -> None:
+        """Call the body (appending nodes), then wait for every state of the run."""
         try:
-            return ctx, state, self.fn(state, *args, **kwargs)
-        except BaseException:
+            result = self.fn(state, *args, **kwargs)
+            if inspect.isawaitable(result):
+                result = asyncio.run(_awaited(result))
+            state.return_value = result
+            ctx.sync_all()
+        finally:
             ctx.close_all()
-            raise
 
     def compile(self, *args: Any, backend: Backend | None = None, **kwargs: Any) -> RequestGraph:
         """Trace without generating: the request graph, its static prompts and prefix tree."""
-        return trace(self.name, self.fn, backend or get_default_backend(), args, kwargs)
+        return trace(
+            self.name, self.fn, backend or get_default_backend(), args, kwargs, self.state_type
+        )
 
     def run_batch(
         self,
@@ -110,11 +142,13 @@ class Program:
         backend: Backend | None = None,
         namespace: str | None = None,
         min_shared_tokens: int = 32,
+        sampling: SamplingParams | Mapping[str, Any] | None = None,
     ) -> list[ProgramState | InstanceError]:
         """Run many instances concurrently. Every instance is compiled first and the shared
         prefixes of the whole batch are pinned (each prefilled once); a pin is released when
         the last instance that reads it finishes. A failing instance yields an InstanceError
-        (with its traceback) in its place; the others run to completion."""
+        (with its traceback) in its place; the others run to completion. `sampling` is each
+        run's (see `run`)."""
         backend = backend or get_default_backend()
         graphs = [self.compile(backend=backend, **dict(args)) for args in batch]
         pins = SharedPrefixPins(
@@ -126,7 +160,9 @@ class Program:
             with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(batch)))) as pool:
                 pins.acquire(pool)
                 futures = {
-                    pool.submit(self.run, backend=backend, namespace=namespace, **dict(args)): i
+                    pool.submit(
+                        self.run, backend=backend, namespace=namespace, sampling=sampling, **args
+                    ): i
                     for i, args in enumerate(batch)
                 }
                 for future in as_completed(futures):

@@ -27,8 +27,13 @@ def gen_meta(result: GenerateResult) -> dict[str, Any]:
         "cached_tokens": result.cached_tokens,
         "completion_tokens": result.completion_tokens,
         "finish_reason": result.finish_reason,
+        "matched_stop": result.matched_stop,
+        "rid": result.rid,
         "output_ids": list(result.output_ids),
         "logprobs": result.logprobs,
+        "prompt_logprobs": result.prompt_logprobs,  # by position, with their ids, when asked
+        "prompt_top_logprobs": result.prompt_top_logprobs,
+        "prompt_ids": result.prompt_ids,
         "raw_text": result.text,
     }
 

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, TypeVar
 
 from flowlang.content import Content
-from flowlang.errors import ProgramError
+from flowlang.errors import ProgramError, UnknownVariableError
 from flowlang.ir import JOIN_MODES, Join, Node, RoleBegin, RoleEnd
 from flowlang.primitives import to_nodes
+
+T = TypeVar("T")
 
 
 class Executor(Protocol):
@@ -33,11 +36,14 @@ class Executor(Protocol):
     def get(self, name: str) -> Any:
         """The value of variable `name`, once the node that defines it ran."""
 
+    def set(self, name: str, value: Any) -> None:
+        """Define variable `name` now."""
+
     def meta(self, name: str) -> dict[str, Any]:
         """What the node that defined `name` reported (tokens, scores, ...)."""
 
-    def stream(self, name: str) -> Iterator[str]:
-        """The text of gen `name` as it is generated."""
+    def stream(self, name: str | None) -> Iterator[str]:
+        """The text of gen `name` as it is generated; all the text appended if None."""
 
     def settle(self, reading: str) -> tuple[Content, dict[str, Any]]:
         """Content and variables once every node so far ran; `reading` names what is read."""
@@ -60,6 +66,8 @@ class ProgramState:
         self._forks: dict[str, list[ProgramState]] = {}  # forks of this state, by id
         self._joined: set[str] = set()
         self.return_value: Any = None  # what the program function returned
+        # run(stream=True): the thread running the body; reads from other threads wait for it
+        self.body_thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ writing
     def __iadd__(self, other: Any) -> ProgramState:
@@ -93,7 +101,7 @@ class ProgramState:
         if not isinstance(num_branches, int) or num_branches < 1:
             raise ProgramError(f"fork() needs a positive number of branches, got {num_branches!r}")
         fork_id, executors = self._executor.fork(num_branches)
-        branches = [ProgramState(executor, fork_id) for executor in executors]
+        branches = [type(self)(executor, fork_id) for executor in executors]
         self._forks[fork_id] = branches
         return list(branches)
 
@@ -120,11 +128,15 @@ class ProgramState:
 
     # ------------------------------------------------------------------ reading
     def __getitem__(self, name: str) -> Any:
-        return self._executor.get(name)
+        return self._while_body_runs(lambda: self._executor.get(name))
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        """`s["name"] = value` defines a variable now (SGLang's set_var)."""
+        self._executor.set(name, value)
 
     async def aget(self, name: str) -> Any:
         """`await s.aget("name")` in async programs."""
-        return await asyncio.to_thread(self._executor.get, name)
+        return await asyncio.to_thread(self.__getitem__, name)
 
     def get(self, name: str, default: Any = None) -> Any:
         """`s[name]`, or `default` for a name no gen/select of this state defines."""
@@ -135,36 +147,67 @@ class ProgramState:
 
     def text(self) -> str:
         """All text so far (waits for every node appended)."""
-        content, _ = self._executor.settle("its text")
+        content, _ = self._settle("its text")
         return content.text
 
     def token_ids(self) -> list[int]:
         """All token ids so far (waits for every node appended)."""
-        content, _ = self._executor.settle("its token ids")
+        content, _ = self._settle("its token ids")
         return list(content.ids)
 
     def messages(self) -> list[dict[str, str]]:
         """The chat messages so far, as {"role", "content"} dicts."""
-        content, _ = self._executor.settle("its messages")
+        content, _ = self._settle("its messages")
         return [dict(m) for m in content.messages]
 
     def meta(self, name: str) -> dict[str, Any]:
         """What the gen/select that defined `name` reported (token counts, scores, ...)."""
-        return self._executor.meta(name)
+        return self._while_body_runs(lambda: self._executor.meta(name))
 
     def variables(self) -> dict[str, Any]:
         """Every variable of this state (waits for every node appended)."""
-        _, variables = self._executor.settle("its variables")
+        _, variables = self._settle("its variables")
         return dict(variables)
 
-    def text_iter(self, name: str) -> Iterator[str]:
-        """The text of gen `name` as it streams."""
-        yield from self._executor.stream(name)
+    def text_iter(self, name: str | None = None) -> Iterator[str]:
+        """The text of gen `name` as it streams; without a name, all the text of this state as
+        it is appended (SGLang's form; ends when the program ends)."""
+
+        def start() -> tuple[Iterator[str], str | None]:
+            deltas = self._executor.stream(name)
+            return deltas, next(deltas, None)  # waits for the first delta
+
+        deltas, first = self._while_body_runs(start)
+        if first is not None:
+            yield first
+            yield from deltas
 
     def sync(self) -> ProgramState:
         """Wait until everything appended so far has run (raises a failure)."""
+        self._wait_for_body()
         self._executor.sync()
         return self
+
+    def _settle(self, reading: str) -> tuple[Content, dict[str, Any]]:
+        self._wait_for_body()
+        return self._executor.settle(reading)
+
+    def _wait_for_body(self) -> None:
+        body = self.body_thread
+        if body is not None and body is not threading.current_thread():
+            body.join()
+
+    def _while_body_runs(self, read: Callable[[], T]) -> T:
+        """A read that may name what a streamed run's body has not appended yet: retried
+        until the body has appended it or ended."""
+        body = self.body_thread
+        while True:
+            try:
+                return read()
+            except UnknownVariableError:
+                if body is None or body is threading.current_thread() or not body.is_alive():
+                    raise
+                body.join(0.005)
 
     @property
     def program_id(self) -> str:

@@ -58,13 +58,17 @@ class RecordingExecutor:
         """Stops the trace: the value is generated."""
         raise StopTracing(f"the program reads {name!r}, a generated value")
 
+    def set(self, name: str, value: Any) -> None:
+        """Nothing to record: a later read of `name` stops the trace like any read."""
+
     def meta(self, name: str) -> dict[str, Any]:
         """Stops the trace: meta exists once the node ran."""
         raise StopTracing(f"the program reads meta of {name!r}")
 
-    def stream(self, name: str) -> Iterator[str]:
+    def stream(self, name: str | None) -> Iterator[str]:
         """Stops the trace: the text is generated."""
-        raise StopTracing(f"the program streams {name!r}, a generated value")
+        what = repr(name) if name is not None else "its text"
+        raise StopTracing(f"the program streams {what}, a generated value")
 
     def settle(self, reading: str) -> tuple[Content, dict[str, Any]]:
         """Stops the trace: the content would hold generated text."""
@@ -108,13 +112,18 @@ class _Simulation:
 
 
 def trace(
-    program_name: str, fn: Callable[..., Any], backend: Backend, args: tuple, kwargs: dict
+    program_name: str,
+    fn: Callable[..., Any],
+    backend: Backend,
+    args: tuple,
+    kwargs: dict,
+    state_type: type[ProgramState] = ProgramState,
 ) -> RequestGraph:
     """Call `fn` on a recording state; the RequestGraph of what it appended."""
     recorder = RecordingExecutor(program_name)
     reason = None
     try:
-        result = fn(ProgramState(recorder), *args, **kwargs)
+        result = fn(state_type(recorder), *args, **kwargs)
         if hasattr(result, "__await__"):
             result.close()
             reason = "async programs are not traced (their body runs only when awaited)"

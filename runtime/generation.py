@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import regex
 import torch
 
 from runtime.detokenizer import IncrementalDetokenizer
@@ -16,8 +17,8 @@ class GenerationState:
     """What one request has generated so far and whether it is done.
 
     `append(token_id)` applies the stop rules in order: EOS / stop token ids (after
-    min_new_tokens, unless ignore_eos), stop strings (cut exactly where they start, even inside
-    a token or across tokens), then max_new_tokens.
+    min_new_tokens, unless ignore_eos), stop strings and stop_regex matches (cut exactly where
+    they start, even inside a token or across tokens; the earliest wins), then max_new_tokens.
     """
 
     def __init__(
@@ -42,7 +43,9 @@ class GenerationState:
         if not params.ignore_eos:
             self._stop_ids.update(eos_token_ids)
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
+        self._regex_stops = _RegexStops(params.stop_regex) if params.stop_regex else None
         self._streamed_len = 0
+        self._chunked_len = 0  # output tokens already handed out by take_new_outputs()
         self._detok = (
             IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
             if tokenizer is not None
@@ -113,27 +116,87 @@ class GenerationState:
             self._add_text(self._detok.flush(), final=True)
 
     def stream_delta(self) -> str:
-        """New text safe to show: text that can no longer turn out to start a stop string."""
-        visible = (
-            len(self.text) if self.finished else len(self.text) - max(0, self._max_stop_len - 1)
-        )
+        """New text safe to show: text that can no longer turn out to start a stop string or
+        a stop_regex match."""
+        visible = len(self.text)
+        if not self.finished:
+            visible -= max(0, self._max_stop_len - 1)
+            if self._regex_stops is not None:
+                visible = min(visible, self._regex_stops.search_from)
         if visible <= self._streamed_len:
             return ""
         delta = self.text[self._streamed_len : visible]
         self._streamed_len = visible
         return delta
 
+    def take_new_outputs(self) -> range:
+        """Indices of the output tokens not yet taken (for stream chunks); marks them taken."""
+        new = range(self._chunked_len, len(self.output_ids))
+        self._chunked_len = len(self.output_ids)
+        return new
+
     def _add_text(self, delta: str, final: bool = False) -> None:
         if not delta:
             return
         start = max(0, len(self.text) - self._max_stop_len + 1)
         self.text += delta
-        if not self.params.stop or final:
+        if final:
             return
+        may_stop = len(self.output_ids) >= self.params.min_new_tokens
         hits = [(self.text.find(s, start), s) for s in self.params.stop]
-        hits = [(pos, s) for pos, s in hits if pos >= 0]
-        if hits and len(self.output_ids) >= self.params.min_new_tokens:
-            pos, stop = min(hits)
-            end = pos + len(stop) if self.params.include_stop_str_in_output else pos
-            self.text = self.text[:end]
+        hits = [(pos, pos + len(s), s) for pos, s in hits if pos >= 0]
+        if self._regex_stops is not None:
+            if match := self._regex_stops.scan(self.text, may_stop):
+                hits.append(match)
+        if hits and may_stop:
+            pos, end, stop = min(hits, key=lambda hit: hit[0])  # the earliest; ties: stop strings
+            self.text = self.text[: end if self.params.include_stop_str_in_output else pos]
             self.finish("stop", matched=stop)
+
+
+class _RegexStops:
+    """stop_regex over a growing text: the first non-empty match, and where one could still
+    begin (text before that can be streamed, and later searches start there).
+
+    Semantics are those of "the text so far contains a match": a pattern is checked after
+    every token, so a greedy `\\d+` stops at the first digit and `end\\b` stops at "end" even
+    if "ending" was coming.
+    """
+
+    def __init__(self, patterns: list[str]) -> None:
+        self.patterns = [(p, regex.compile(p)) for p in patterns]
+        self.search_from = 0  # no match can begin before this position any more
+
+    def scan(self, text: str, may_stop: bool) -> tuple[int, int, str] | None:
+        """The earliest match (start, end, pattern), if any; before min_new_tokens none counts
+        and the text so far is passed over (matches must begin after the minimum)."""
+        if not may_stop:
+            self.search_from = len(text)
+            return None
+        hits = []
+        for pattern, compiled in self.patterns:
+            match = _first_non_empty(compiled, text, self.search_from, partial=False)
+            if match is not None:
+                hits.append((match.start(), match.end(), pattern))
+        if hits:
+            return min(hits, key=lambda hit: hit[0])
+        # no match yet: the earliest partial match is where a future one could begin
+        partials = [
+            _first_non_empty(compiled, text, self.search_from, partial=True)
+            for _, compiled in self.patterns
+        ]
+        self.search_from = min((m.start() for m in partials if m is not None), default=len(text))
+        return None
+
+
+def _first_non_empty(
+    compiled: regex.Pattern, text: str, pos: int, partial: bool
+) -> regex.Match | None:
+    """The leftmost match from `pos` that is non-empty (or partial): an empty match such as
+    `a*` finds everywhere would otherwise stop every request at once."""
+    while pos <= len(text):
+        match = compiled.search(text, pos, partial=partial)
+        if match is None or match.end() > match.start() or match.partial:
+            return match
+        pos = match.start() + 1
+    return None

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from runtime.protocol import GenerateResult, PinInfo
+from runtime.protocol import GenerateResult, PinInfo, StreamChunk
 
 _DONE = object()  # ends a stream
 
@@ -17,7 +17,8 @@ _DONE = object()  # ends a stream
 class RequestHandle:
     """A submitted request: `result()` waits for it, iterating yields its text as it streams.
 
-    Made with an event loop (`Engine.submit(..., loop=...)`), it streams to `astream()` instead.
+    Made with an event loop (`Engine.submit(..., loop=...)`), it streams to `astream()` (text)
+    or `achunks()` (text, tokens, logprobs) instead.
     """
 
     def __init__(
@@ -43,21 +44,28 @@ class RequestHandle:
         """Text deltas as they become final (stop strings are never shown)."""
         if self._adeltas is not None:
             raise RuntimeError("this handle streams to astream() (it was made with a loop)")
-        while (delta := self._deltas.get()) is not _DONE:
-            yield delta
+        while (chunk := self._deltas.get()) is not _DONE:
+            if chunk.text:
+                yield chunk.text
 
     async def astream(self) -> AsyncIterator[str]:
         """Text deltas, for handles submitted with an event loop."""
-        while (delta := await self._adeltas.get()) is not _DONE:
-            yield delta
+        async for chunk in self.achunks():
+            if chunk.text:
+                yield chunk.text
+
+    async def achunks(self) -> AsyncIterator[StreamChunk]:
+        """Everything produced since the previous chunk, for handles submitted with a loop."""
+        while (chunk := await self._adeltas.get()) is not _DONE:
+            yield chunk
 
     def cancel(self) -> None:
         self._cancel(self.rid)
 
     # called from the engine's loop thread
-    def push_delta(self, delta: str) -> None:
-        if delta:
-            self._put(delta)
+    def push_chunk(self, chunk: StreamChunk) -> None:
+        if chunk.text or chunk.output_ids or chunk.prompt_logprobs is not None:
+            self._put(chunk)
 
     def deliver(self, result: GenerateResult) -> None:
         """End the stream and resolve the result."""

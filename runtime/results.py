@@ -1,8 +1,10 @@
-"""GenerateResult from a finished request (the wire type callers receive)."""
+"""What callers receive from a request: its GenerateResult when finished, StreamChunks while
+it runs."""
 
 from __future__ import annotations
 
-from runtime.protocol import GenerateResult, TokenLogprob
+from runtime.generation import GenerationState
+from runtime.protocol import GenerateResult, StreamChunk, TokenLogprob
 from runtime.scheduler.request import Req
 
 
@@ -11,11 +13,8 @@ def result_of(req: Req) -> GenerateResult:
     gen = req.gen
     logprobs = None
     if gen.params.logprobs or gen.params.top_logprobs:
-        tops = gen.output_top_logprobs or [None] * len(gen.output_logprobs)
-        logprobs = [
-            TokenLogprob(token_id=t, logprob=lp, top=top)
-            for t, lp, top in zip(gen.output_ids, gen.output_logprobs, tops, strict=False)
-        ]
+        logprobs = _token_logprobs(gen, range(len(gen.output_logprobs)))
+    prompt_asked = gen.params.prompt_logprobs
     return GenerateResult(
         rid=req.rid,
         text=gen.text,
@@ -26,10 +25,48 @@ def result_of(req: Req) -> GenerateResult:
         cached_tokens=req.cached_tokens or 0,
         completion_tokens=len(gen.output_ids),
         logprobs=logprobs,
-        prompt_logprobs=req.prompt_logprobs if gen.params.prompt_logprobs else None,
-        prompt_ids=list(req.prompt_ids) if gen.params.prompt_logprobs else None,
+        prompt_logprobs=req.prompt_logprobs if prompt_asked else None,
+        prompt_top_logprobs=req.prompt_top_logprobs
+        if prompt_asked and gen.params.top_logprobs
+        else None,
+        prompt_ids=list(req.prompt_ids) if prompt_asked else None,
         error=req.error,
     )
+
+
+def stream_chunk_of(req: Req) -> StreamChunk:
+    """What `req` produced since its previous chunk: text safe to show, tokens, logprobs;
+    the prompt's logprobs ride on the first chunk."""
+    gen = req.gen
+    new = gen.take_new_outputs()
+    first = new.start == 0
+    prompt_asked = first and gen.params.prompt_logprobs
+    wants_logprobs = gen.params.logprobs or gen.params.top_logprobs
+    return StreamChunk(
+        text=gen.stream_delta(),
+        output_ids=gen.output_ids[new.start : new.stop],
+        num_output_tokens=len(gen.output_ids),
+        num_prompt_tokens=len(req.prompt_ids),
+        cached_tokens=req.cached_tokens or 0,
+        logprobs=_token_logprobs(gen, new) if wants_logprobs else [],
+        prompt_logprobs=list(req.prompt_logprobs) if prompt_asked else None,
+        prompt_top_logprobs=list(req.prompt_top_logprobs) if prompt_asked else None,
+        prompt_ids=list(req.prompt_ids) if prompt_asked else None,
+    )
+
+
+def _token_logprobs(gen: GenerationState, indices: range) -> list[TokenLogprob]:
+    """The logprobs (and top-k, when asked) of the output tokens at `indices`."""
+    tops = gen.output_top_logprobs
+    num = min(indices.stop, len(gen.output_logprobs))  # forced tokens have none
+    return [
+        TokenLogprob(
+            token_id=gen.output_ids[i],
+            logprob=gen.output_logprobs[i],
+            top=tops[i] if i < len(tops) else None,
+        )
+        for i in range(indices.start, num)
+    ]
 
 
 def error_result(rid: str, message: str) -> GenerateResult:

@@ -88,9 +88,10 @@ def tiny_model_dir(tmp_path_factory, default_model_path):
 
 
 class ServerThread:
-    """`flowlang serve` in a background thread on a free loopback port."""
+    """`flowlang serve` in a background thread on a free loopback port; `wrap`, if given,
+    wraps the ASGI app (to record what goes over the wire)."""
 
-    def __init__(self, engine, **settings) -> None:
+    def __init__(self, engine, wrap=None, **settings) -> None:
         import socket
         import threading
 
@@ -104,7 +105,8 @@ class ServerThread:
         self.engine = engine
         self.app = create_app(engine, ServerSettings(port=port, **settings))
         self.url = f"http://127.0.0.1:{port}"
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning")
+        app = wrap(self.app) if wrap is not None else self.app
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

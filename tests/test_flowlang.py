@@ -134,6 +134,84 @@ def test_fork_join_gather_and_concat(mock):
     assert len({r.hints.branch_id for r in mock.requests}) == 3
 
 
+def test_a_join_result_is_readable_in_the_body_right_after_the_join(mock):
+    # regression (issue 14): s["x"] right after s.join(forks) raised UnknownVariableError
+    seen = {}
+
+    @program
+    def gathered(s):
+        s += "Base."
+        forks = s.fork(2)
+        for i, branch in enumerate(forks):
+            branch += f" Idea {i}:"
+            branch += gen("idea", max_new_tokens=2)
+            inner = branch.fork(2)  # nested: the branch's own join declares its names too
+            for sub in inner:
+                sub += select("pick", choices=[" yes", " no"])
+            branch.join(inner)
+        s.join(forks)
+        seen["idea"], seen["pick"] = s["idea"], s["pick"]
+        s += " Best: " + seen["idea"][0]
+
+    state = gathered.run()
+    assert seen["idea"] == state["idea"] and len(seen["idea"]) == 2
+    assert seen["pick"] == [[" yes", " yes"], [" yes", " yes"]]
+    assert state.text().endswith(" Best: " + seen["idea"][0])
+
+
+def test_sglang_forms_of_the_native_api(mock):
+    @program
+    def forms(s):
+        s += "Q:"
+        s += gen(max_new_tokens=1)  # anonymous: appended, kept in no variable
+        s += gen("a", max_new_tokens=2)  # the run's sampling fills what a gen leaves unset
+        s += select(choices=[" yes", " no"], method=fl.selection.METHODS["greedy"])
+        s["note"] = "set by the program"
+
+        s += "Then:" + gen("b", max_new_tokens=1) + "."  # `+` joins text and nodes
+
+    state = forms.run(sampling={"temperature": 0, "max_new_tokens": 3})
+    first, second, _ = mock.requests
+    assert first.sampling.max_new_tokens == 1 and second.sampling.max_new_tokens == 2
+    assert first.sampling.temperature == second.sampling.temperature == 0
+    assert set(state.variables()) == {"a", "b", "note"}
+    assert state.text().endswith(" yesThen:" + state["b"] + ".")
+    assert state["note"] == "set by the program"
+    with pytest.raises(ProgramError, match="sampling"):
+        forms.run(sampling={"temperature": -1})
+
+
+def test_run_stream_returns_at_once_and_text_iter_streams_everything(mock):
+    release = threading.Event()
+    original = mock.generate
+
+    def slow(request):
+        release.wait(5)
+        return original(request)
+
+    mock.generate = slow
+
+    @program
+    def story(s):
+        s += "Once"
+        s += gen("rest", max_new_tokens=2)
+
+    state = story.run(stream=True)
+    pieces = state.text_iter()
+    assert next(pieces) == "Once"  # before the gen has finished
+    release.set()
+    assert "Once" + "".join(pieces) == state.text() == "Once" + state["rest"]
+    assert "".join(story.run(stream=True).text_iter("rest"))
+
+    @program
+    def broken(s):
+        s += "x"
+        raise RuntimeError("user bug")
+
+    with pytest.raises(ExecutionError, match="user bug"):
+        broken.run(stream=True).text()
+
+
 def test_text_iter_streams_a_gen(mock):
     @program
     def streamed(s):

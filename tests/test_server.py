@@ -201,7 +201,8 @@ def test_operations_endpoints(client):
         ({"text": "x", "sampling_params": {"json_schema": "{nope"}}, 400, "not valid JSON"),
         ({"text": "x", "sampling_params": {"temperature": -1}}, 422, "temperature"),
         ({"text": "x", "sampling_params": {"frequency_penalty": 5}}, 400, "frequency_penalty"),
-        ({"text": ["a", "b"], "stream": True}, 400, "single prompt"),
+        ({"text": "x", "lora_path": "adapter"}, 400, "lora_path: not supported"),
+        ({"text": "x", "sampling_params": {"stop_regex": "(a"}}, 400, "invalid stop_regex"),
         ({"text": ["a", "b"], "rid": ["r1"]}, 400, "1 ids for 2 prompts"),
     ],
 )

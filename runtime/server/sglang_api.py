@@ -1,150 +1,228 @@
-"""SGLang's native API: /generate (text or ids, single or batch, streamed, with logprobs),
-model and server info, and the cache flush."""
+"""SGLang's native /generate: text or ids, single or batch, n samples, streamed with the running
+meta_info, logprobs of the prompt and the output. The other native routes are in sglang_ops.
+
+Logprob positions follow SGLang: `input_token_logprobs` covers prompt positions from
+`logprob_start_len` on (position 0 has no logprob: null). Where SGLang leaves the first one
+null at any start, flowlang gives its value (so every select method of SGLang's frontend has
+numbers to add), and with `logprob_start_len` -1 a request that generates nothing gets the
+whole prompt's (what the frontend's unconditional-likelihood select asks for).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
+from typing import Any
 
 from fastapi import APIRouter, Request
 
 from runtime.engine import Engine
 from runtime.errors import InvalidRequestError
 from runtime.handles import RequestHandle
-from runtime.protocol import GenerateRequest, GenerateResult
+from runtime.protocol import GenerateRequest, GenerateResult, GraphHints, StreamChunk
+from runtime.server import sglang_ops
 from runtime.server.errors import invalid_input
-from runtime.server.schemas import GenerateBody
-from runtime.server.state import ServerDep
+from runtime.server.sglang_schemas import GenerateBody, Prompt
+from runtime.server.state import Server, ServerDep
 from runtime.server.streaming import sse
 
 router = APIRouter()
+router.include_router(sglang_ops.router)
+log = logging.getLogger(__name__)
 
 
-@router.get("/get_model_info")
-async def model_info(server: ServerDep):
-    """The model's path and shape, as SGLang reports them."""
-    engine = server.engine
-    return {
-        "model_path": engine.config.model,
-        "tokenizer_path": engine.config.model,
-        "is_generation": True,
-        "max_context_len": engine.arch.max_context_len,
-        "vocab_size": engine.arch.vocab_size,
-        "num_layers": engine.arch.num_layers,
-    }
-
-
-@router.get("/server_info")
-async def server_info(server: ServerDep):
-    """The engine's config and stats, uptime and held pins."""
-    stats = await asyncio.to_thread(server.engine.stats)
-    return {
-        "config": server.engine.config.model_dump(),
-        "stats": stats,
-        "version": "flowlang-0.1.0",
-        "uptime_s": time.time() - server.started,
-        "pins": len(server.leases),
-    }
-
-
-@router.post("/flush_cache")
-async def flush_cache(server: ServerDep):
-    """Evict every unlocked cached token."""
-    return {"flushed_tokens": await asyncio.to_thread(server.engine.flush_cache)}
-
-
-@router.post("/generate")
+@router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(body: GenerateBody, request: Request, server: ServerDep):
-    """Generate for one prompt or a batch; `stream` sends the text so far as it grows."""
-    requests = _requests(body, server.namespace(request, body.namespace))
-    if body.stream and len(requests) != 1:
-        raise InvalidRequestError("stream=true takes a single prompt")
-    handles = server.submit(requests)
+    """Generate for one prompt or a batch, n samples each; `stream` sends the running output."""
+    _log_fields(body)
+    prompts = body.prompts()
+    requests = [_request(server, request, body, p) for p in prompts]
+    output = _Output(server.engine, body)
+    handles = await server.submit(requests)
     if body.stream:
-        return sse(server.engine, handles, _stream(server.engine, handles[0], body))
+        return sse(server.engine, handles, _stream(output, handles, prompts))
     results = await server.wait(request, handles)
-    out = [_result(server.engine, r, body) for r in results]
+    out = [output(r, p) for r, p in zip(results, prompts, strict=True)]
     return out if body.is_batch else out[0]
 
 
-def _requests(body: GenerateBody, namespace: str | None) -> list[GenerateRequest]:
-    if body.text is not None:
-        prompts = body.text if isinstance(body.text, list) else [body.text]
-    else:
-        prompts = body.input_ids if body.is_batch else [body.input_ids]
-    params, constraint = body.sampling_params.to_protocol(
-        logprobs=body.return_logprob,
-        top_logprobs=body.top_logprobs_num,
-        prompt_logprobs=body.return_logprob and body.logprob_start_len >= 0,
-        logprob_start_len=max(1, body.logprob_start_len) if body.logprob_start_len >= 0 else None,
+def _log_fields(body: GenerateBody) -> None:
+    """Say which fields a request sent, and loudly which of them have no effect here."""
+    sent, unhonoured = body.fields_sent(), body.fields_unhonoured()
+    extra = {"fields_sent": sent, "fields_unhonoured": unhonoured}
+    log.debug("/generate fields: %s", sent, extra=extra)
+    if unhonoured:
+        log.warning("/generate fields with no effect here: %s", unhonoured, extra=extra)
+
+
+def _request(server: Server, request: Request, body: GenerateBody, p: Prompt) -> GenerateRequest:
+    """The engine request for one prompt (one of its n samples)."""
+    engine, prompt = server.engine, p.prompt
+    max_new_tokens = p.sampling.max_new_tokens
+    if max_new_tokens is None:  # SGLang: as many as fit after the prompt
+        prompt = engine.intake.tokens(prompt, special=True)
+        room = min(engine.arch.max_context_len, engine.intake.num_slots)
+        max_new_tokens = max(0, room - len(prompt))
+    wants_prompt = p.return_logprob and (p.logprob_start_len >= 0 or max_new_tokens == 0)
+    params, constraint = p.sampling.to_protocol(
+        max_new_tokens=max_new_tokens,
+        seed_offset=p.sample_index,
+        logprobs=p.return_logprob,
+        top_logprobs=p.top_logprobs_num if p.return_logprob else 0,
+        prompt_logprobs=wants_prompt,
+        logprob_start_len=max(1, p.logprob_start_len) if wants_prompt else None,
     )
-    rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
-    if len(rids) != len(prompts):
-        raise InvalidRequestError(f"rid has {len(rids)} ids for {len(prompts)} prompts")
+    namespace = server.namespace(request, p.cache_salt)
     with invalid_input():
-        return [
-            GenerateRequest(
-                rid=rid or uuid.uuid4().hex,
-                sampling=params,
-                constraint=constraint,
-                namespace=namespace,
-                **({"text": p} if isinstance(p, str) else {"input_ids": p}),
-            )
-            for p, rid in zip(prompts, rids, strict=True)
-        ]
+        return GenerateRequest(
+            rid=p.rid or uuid.uuid4().hex,
+            sampling=params,
+            constraint=constraint,
+            namespace=namespace,
+            hints=GraphHints(priority=body.priority or 0),
+            **({"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}),
+        )
 
 
 async def _stream(
-    engine: Engine, handle: RequestHandle, body: GenerateBody
+    output: _Output, handles: list[RequestHandle], prompts: list[Prompt]
 ) -> AsyncGenerator[str, None]:
-    text = ""
-    async for delta in handle.astream():
-        text += delta
-        yield json.dumps({"text": text, "meta_info": {"id": handle.rid}})
-    yield json.dumps(_result(engine, await handle.aresult(), body))
+    """Each request's output so far whenever its text grows, then its final output; batches
+    say `index`. Everything is cumulative, as in SGLang's default stream: text (its frontend
+    slices off what it has), output_ids, counts and logprob lists. A chunk that adds no text
+    is not sent: its tokens ride on the next one (SGLang's frontend would merge the logprob
+    lists of a textless chunk into the next, counting them twice)."""
+    queue: asyncio.Queue[tuple[int, StreamChunk | GenerateResult]] = asyncio.Queue()
+
+    async def pump(i: int, handle: RequestHandle) -> None:
+        async for chunk in handle.achunks():
+            queue.put_nowait((i, chunk))
+        queue.put_nowait((i, await handle.aresult()))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    running = [_Running(h.rid) for h in handles]
+    num_running = len(handles)
+    try:
+        while num_running:
+            i, item = await queue.get()
+            if isinstance(item, GenerateResult):
+                num_running -= 1
+                if item.finish_reason == "error":  # SGLang's stream says so in a data frame
+                    error = {"message": item.error, "type": "invalid_request_error", "code": 400}
+                    yield json.dumps({"error": error})
+                    return
+            if isinstance(item, StreamChunk):
+                result = running[i].add(item)
+                if not item.text:
+                    continue
+            else:
+                result = item
+            out = output(result, prompts[i])
+            if output.body.is_batch:
+                out["index"] = i
+            yield json.dumps(out)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class _Running:
+    """A streaming request's output so far, as a (not yet finished) GenerateResult."""
+
+    def __init__(self, rid: str) -> None:
+        self.fields: dict[str, Any] = dict(rid=rid, text="", output_ids=[], logprobs=[])
+
+    def add(self, chunk: StreamChunk) -> GenerateResult:
+        f = self.fields
+        f["text"] += chunk.text
+        f["output_ids"] += chunk.output_ids
+        f["logprobs"] += chunk.logprobs
+        f["completion_tokens"] = chunk.num_output_tokens
+        f["cached_tokens"] = chunk.cached_tokens
+        f["prompt_tokens"] = chunk.num_prompt_tokens
+        if chunk.prompt_logprobs is not None:
+            f["prompt_logprobs"] = chunk.prompt_logprobs
+            f["prompt_top_logprobs"] = chunk.prompt_top_logprobs
+            f["prompt_ids"] = chunk.prompt_ids
+        # built without validation: the fields came from the engine, and this runs per token
+        return GenerateResult.model_construct(finish_reason=None, **f)
+
+
+class _Output:
+    """Outputs in SGLang's shape (text, output_ids, meta_info) for one /generate call."""
+
+    def __init__(self, engine: Engine, body: GenerateBody) -> None:
+        self.engine = engine
+        self.body = body
+        self.started = time.monotonic()
+        self._texts: dict[int, str] = {}  # token texts for logprobs, decoded once per call
+        self._prompt_ids: dict[int, list[int]] = {}  # by prompt index, tokenized once per call
+
+    def __call__(self, result: GenerateResult, p: Prompt) -> dict:
+        """One request's output, finished or (streaming) so far."""
+        if result.finish_reason == "error":
+            raise InvalidRequestError(result.error or "generation failed")
+        meta: dict[str, Any] = {
+            "id": result.rid,
+            "finish_reason": _finish_reason(result),
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+            "cached_tokens": result.cached_tokens,
+            "weight_version": "default",
+        }
+        if result.finish_reason is not None:
+            meta["e2e_latency"] = time.monotonic() - self.started
+        if p.return_logprob:
+            meta.update(self._logprobs(result, p))
+        out = {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
+        if self.body.return_prompt_token_ids:
+            if p.prompt_index not in self._prompt_ids:
+                ids = self.engine.intake.tokens(p.prompt, special=True)
+                self._prompt_ids[p.prompt_index] = ids
+            out["prompt_token_ids"] = self._prompt_ids[p.prompt_index]
+        return out
+
+    def _logprobs(self, result: GenerateResult, p: Prompt) -> dict:
+        """SGLang's logprob lists: [logprob, token_id, text or null] per position."""
+        logprobs = result.logprobs or []
+        ids = result.prompt_ids or []
+        positions = range(0)
+        if result.prompt_logprobs is not None:
+            positions = range(max(0, p.logprob_start_len), len(ids))
+        out: dict[str, Any] = {
+            "output_token_logprobs": [self._entry(lp.logprob, lp.token_id) for lp in logprobs],
+            "output_token_logprobs_length": len(logprobs),
+            "input_token_logprobs": [
+                self._entry(result.prompt_logprobs[j], ids[j]) for j in positions
+            ],
+        }
+        if p.top_logprobs_num > 0:
+            prompt_tops = result.prompt_top_logprobs or [None] * len(ids)
+            out["output_top_logprobs"] = [self._tops(lp.top) for lp in logprobs]
+            out["input_top_logprobs"] = [self._tops(prompt_tops[j]) for j in positions]
+        return out
+
+    def _entry(self, logprob: float | None, token_id: int) -> list:
+        if not self.body.return_text_in_logprobs:
+            return [logprob, token_id, None]
+        if token_id not in self._texts:
+            self._texts[token_id] = self.engine.tokenizer.decode([token_id])
+        return [logprob, token_id, self._texts[token_id]]
+
+    def _tops(self, top: list[tuple[int, float]] | None) -> list | None:
+        return None if top is None else [self._entry(v, t) for t, v in top]
 
 
 def _finish_reason(result: GenerateResult) -> dict | None:
     if result.finish_reason is None:
         return None
-    reason = {"type": result.finish_reason}
+    reason: dict[str, Any] = {"type": result.finish_reason}
     if result.matched_stop is not None:
         reason["matched"] = result.matched_stop
     if result.finish_reason == "length":
         reason["length"] = result.completion_tokens
     return reason
-
-
-def _result(engine: Engine, result: GenerateResult, body: GenerateBody) -> dict:
-    if result.finish_reason == "error":
-        raise InvalidRequestError(result.error or "generation failed")
-    meta = {
-        "id": result.rid,
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": result.completion_tokens,
-        "cached_tokens": result.cached_tokens,
-        "finish_reason": _finish_reason(result),
-    }
-    if body.return_logprob:
-        meta.update(_logprobs(engine, result, body))
-    return {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
-
-
-def _logprobs(engine: Engine, result: GenerateResult, body: GenerateBody) -> dict:
-    def text(token_id: int) -> str | None:
-        return engine.tokenizer.decode([token_id]) if body.return_text_in_logprobs else None
-
-    logprobs = result.logprobs or []
-    out = {
-        "output_token_logprobs": [[lp.logprob, lp.token_id, text(lp.token_id)] for lp in logprobs],
-        "output_top_logprobs": [[[v, t, text(t)] for t, v in (lp.top or [])] for lp in logprobs],
-    }
-    if result.prompt_logprobs is not None:
-        start, ids = max(1, body.logprob_start_len), result.prompt_ids
-        out["input_token_logprobs"] = [
-            [result.prompt_logprobs[j], ids[j], text(ids[j])] for j in range(start, len(ids))
-        ]
-    return out

@@ -1,0 +1,174 @@
+"""Engine-level pieces of SGLang compatibility: stop_regex (cut exactly like stop strings,
+never streamed), n samples of one prompt (prefilled once), and input logprobs with their top-k
+(equal to a full forward of the reference model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from runtime.config import EngineConfig
+from runtime.engine import Engine, InvalidRequestError
+from runtime.generation import GenerationState
+from runtime.protocol import GenerateRequest, SamplingParams
+
+TEXT = "Order 66 shipped on May 4. Refund: 12.50 USD, ref AB-77. Thanks!"
+
+
+def feed(tokenizer, text=TEXT, **params) -> tuple[GenerationState, str]:
+    """Append `text`'s tokens one by one; the state and everything streamed meanwhile."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    params = {"max_new_tokens": 1000, **params}
+    gen = GenerationState(SamplingParams(**params), [1], tokenizer, [2], 49152)
+    streamed = ""
+    for token_id in ids:
+        gen.append(token_id)
+        streamed += gen.stream_delta()
+        if gen.finished:
+            break
+    else:
+        gen.finish("length")
+    return gen, streamed + gen.stream_delta()
+
+
+# ---------------------------------------------------------------- stop_regex
+@pytest.mark.parametrize(
+    "patterns, text",
+    [
+        ([r"\d+\.\d+"], "Order 66 shipped on May 4. Refund: "),  # across tokens: "12", ".", "50"
+        ([r"May \d"], "Order 66 shipped on "),
+        ([r"[A-Z]{2}-\d+"], "Order 66 shipped on May 4. Refund: 12.50 USD, ref "),
+        ([r"Thanks", r"USD"], "Order 66 shipped on May 4. Refund: 12.50 "),  # the earliest
+        ([r"\d"], "Order "),  # a greedy pattern stops at its first possible match
+    ],
+)
+def test_stop_regex_cuts_exactly_where_the_match_starts(default_tokenizer, patterns, text):
+    gen, streamed = feed(default_tokenizer, stop_regex=patterns)
+    assert gen.text == text == streamed  # the match never reaches the stream
+    assert gen.finish_reason == "stop" and gen.matched_stop in patterns
+
+
+def test_stop_regex_included_keeps_the_match(default_tokenizer):
+    gen, streamed = feed(default_tokenizer, stop_regex=r"\d+\.\d+", include_stop_str_in_output=True)
+    assert gen.text.endswith("Refund: 12.5") and gen.text == streamed
+    # the match is "12.5": the text so far matched as soon as the "5" came (documented)
+
+
+def test_stop_regex_and_stop_strings_the_earliest_wins(default_tokenizer):
+    gen, _ = feed(default_tokenizer, stop=["Refund"], stop_regex=[r"\d\d\.\d"])
+    assert gen.text == "Order 66 shipped on May 4. " and gen.matched_stop == "Refund"
+    gen, _ = feed(default_tokenizer, stop=["Thanks"], stop_regex=[r"ref [A-Z]"])
+    assert gen.text.endswith("USD, ") and gen.matched_stop == "ref [A-Z]"
+
+
+def test_stop_regex_streams_what_can_no_longer_match(default_tokenizer):
+    ids = default_tokenizer.encode(TEXT, add_special_tokens=False)
+    gen = GenerationState(
+        SamplingParams(max_new_tokens=1000, stop_regex=[r"USD, ref [A-Z]+-\d+"]),
+        [1],
+        default_tokenizer,
+        [2],
+        49152,
+    )
+    streamed = ""
+    for token_id in ids:
+        gen.append(token_id)
+        streamed += gen.stream_delta()
+        if gen.finished:
+            break
+        # a partial match is held back, everything before it is out
+        assert streamed == gen.text[: len(streamed)]
+        if "USD" not in gen.text:
+            assert len(gen.text) - len(streamed) <= 3
+    assert gen.text == "Order 66 shipped on May 4. Refund: 12.50 " == streamed + gen.stream_delta()
+
+
+def test_stop_regex_respects_min_new_tokens_and_ignores_empty_matches(default_tokenizer):
+    gen, _ = feed(default_tokenizer, stop_regex=[r"\d"], min_new_tokens=6)
+    assert gen.text.startswith("Order 66 shipped") and gen.matched_stop == r"\d"
+    gen, streamed = feed(default_tokenizer, stop_regex=[r"x*", r"\b"])  # only empty matches
+    assert gen.finish_reason == "length" and gen.text == TEXT == streamed
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [("(a", "invalid stop_regex"), ("", "1 to 256 bytes"), (["a"] * 33, "at most 32")],
+)
+def test_bad_stop_regex_is_refused(value, message):
+    with pytest.raises(ValidationError, match=message.replace("(", r"\(")):
+        SamplingParams(stop_regex=value)
+
+
+# ---------------------------------------------------------------- through the engine
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    with Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=4096)) as eng:
+        yield eng
+
+
+def test_stop_regex_through_the_engine(engine):
+    ids = engine.tokenizer.encode("Count: one two three")
+    (free,) = engine.generate(
+        GenerateRequest(
+            input_ids=ids,
+            sampling=SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True),
+        )
+    )
+    pattern = r"[aeiou]"  # the tiny model writes words: it will write a vowel
+    assert any(c in "aeiou" for c in free.text)
+    (cut,) = engine.generate(
+        GenerateRequest(
+            input_ids=ids,
+            sampling=SamplingParams(
+                temperature=0, max_new_tokens=24, ignore_eos=True, stop_regex=pattern
+            ),
+        )
+    )
+    assert cut.finish_reason == "stop" and cut.matched_stop == pattern
+    assert free.text.startswith(cut.text) and not any(c in "aeiou" for c in cut.text)
+    assert cut.output_ids == free.output_ids[: len(cut.output_ids)]
+
+
+def test_stop_regex_needs_a_tokenizer():
+    with Engine(EngineConfig(model="random:tiny", max_kv_tokens=1024)) as eng:
+        request = GenerateRequest(input_ids=[1, 2], sampling=SamplingParams(stop_regex="x"))
+        with pytest.raises(InvalidRequestError, match="no tokenizer"):
+            eng.submit(request)
+
+
+def test_n_samples_share_one_prefill(engine):
+    ids = list(range(300, 420))
+    before = engine.stats()["prefill_tokens_total"]
+    samples = [
+        GenerateRequest(input_ids=ids, sampling=SamplingParams(seed=7 + i, max_new_tokens=8))
+        for i in range(4)
+    ]
+    results = engine.generate(samples)
+    # computed once; each other sample recomputes only the last prompt token (its logits)
+    assert engine.stats()["prefill_tokens_total"] - before == len(ids) + 3
+    assert len({tuple(r.output_ids) for r in results}) > 1  # seeds differ: samples differ
+    assert all(r.prompt_tokens == len(ids) for r in results)
+
+
+def test_input_logprobs_and_top_k_equal_a_full_forward(engine, tiny_model_dir):
+    import transformers
+
+    ids = engine.tokenizer.encode("The parcel left the depot on Monday morning.")
+    params = SamplingParams(
+        max_new_tokens=0, prompt_logprobs=True, logprob_start_len=2, top_logprobs=3
+    )
+    (result,) = engine.generate(GenerateRequest(input_ids=ids, sampling=params))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert (
+        result.prompt_logprobs[:2] == [None, None] and result.prompt_top_logprobs[:2] == [None] * 2
+    )
+    for j in range(2, len(ids)):
+        expected = logprobs[j - 1]
+        assert result.prompt_logprobs[j] == pytest.approx(float(expected[ids[j]]), abs=1e-3)
+        values, indices = expected.topk(3)
+        top_ids, top_values = zip(*result.prompt_top_logprobs[j], strict=True)
+        assert list(top_ids) == indices.tolist()
+        assert list(top_values) == pytest.approx(values.tolist(), abs=1e-3)
