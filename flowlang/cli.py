@@ -9,6 +9,7 @@ sets its `handler` default to a function of the parsed arguments returning the e
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib.metadata import entry_points
 from typing import Any, Protocol
@@ -59,7 +60,13 @@ def add_serve(commands: Commands) -> None:
         "--api-key",
         action="append",
         default=[],
-        help="require this Bearer key (repeat for several tenants)",
+        help="require this Bearer key (repeat for several tenants; visible in ps: prefer "
+        "--api-key-file or FLOWLANG_API_KEYS)",
+    )
+    serve.add_argument("--api-key-file", help="a file with one API key per line")
+    serve.add_argument(
+        "--admin-key-file",
+        help="a file with one admin key per line (admin keys may also flush the cache)",
     )
     serve.add_argument("--max-kv-tokens", type=int, default=None)
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -87,12 +94,22 @@ def run_serve(args: argparse.Namespace) -> int:
         ServerSettings(
             host=args.host,
             port=args.port,
-            api_keys=tuple(args.api_key),
+            api_keys=(*args.api_key, *read_keys(args.api_key_file, "FLOWLANG_API_KEYS")),
+            admin_keys=read_keys(args.admin_key_file, "FLOWLANG_ADMIN_KEYS"),
             max_body_bytes=args.max_body_bytes,
             pin_lease_seconds=args.pin_lease_seconds,
         ),
     )
     return 0
+
+
+def read_keys(path: str | None, env_var: str) -> tuple[str, ...]:
+    """Keys from a file (one a line) and a comma-separated environment variable."""
+    keys = [k.strip() for k in os.environ.get(env_var, "").split(",")]
+    if path is not None:
+        with open(path, encoding="utf-8") as lines:
+            keys += [line.strip() for line in lines]
+    return tuple(k for k in keys if k)
 
 
 if __name__ == "__main__":

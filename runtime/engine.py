@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import io
-import queue
-import sys
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -29,6 +26,7 @@ from runtime.config import EngineConfig
 from runtime.errors import EngineClosedError, InvalidRequestError, RequestError
 from runtime.handles import PinHandle, RequestHandle
 from runtime.intake import RequestIntake
+from runtime.loop import EngineLoop, log_failure
 from runtime.model.arch import ModelArch
 from runtime.model.loader import load_checkpoint, load_tokenizer
 from runtime.model.registry import resolve_model
@@ -41,9 +39,9 @@ from runtime.protocol import (
     ScoreRequest,
     ScoreResult,
 )
-from runtime.results import error_result, result_of
+from runtime.results import error_result, result_of, stream_chunk_of
 from runtime.scheduler.request import Req
-from runtime.scheduler.scheduler import Scheduler
+from runtime.scheduler.scheduler import ScheduledBatch, Scheduler
 from runtime.scoring import ContinuationScorer
 
 
@@ -91,12 +89,9 @@ class Engine:
         self._rids_lock = threading.Lock()
 
     def _init_loop(self) -> None:
-        """The command queue and the loop thread that owns scheduler, tree and pool."""
-        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        """The loop thread that owns scheduler, tree and pool."""
         self._closed = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="flowlang-engine", daemon=True)
-        self._thread.start()
+        self._loop = EngineLoop(self.step, self.scheduler.has_work, self.scheduler.fail_running)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> bool:
@@ -104,38 +99,40 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return False
-        logits = self.runner.forward(batch.forward)
+        try:
+            logits = self.runner.forward(batch.forward)
+        except Exception:  # noqa: BLE001 - find the request that breaks it, fail only that one
+            log_failure("a forward pass failed; retrying its requests one by one")
+            self._run_one_by_one(batch)
+            return True
         self.scheduler.process(batch, logits)
         return True
 
-    def _loop(self) -> None:
-        while True:
-            self._drain_commands(block=not self.scheduler.has_work())
-            if self._stop.is_set() and self._commands.empty():
-                return
-            if not self.scheduler.has_work():
+    def _run_one_by_one(self, batch: ScheduledBatch) -> None:
+        """After a failed forward: each request's part alone; those that fail again fail."""
+        for entry in batch.entries:
+            single = self.scheduler.batch_of([entry])
+            try:
+                logits = self.runner.forward(single.forward)
+            except Exception as err:  # noqa: BLE001 - this request's own failure
+                self.scheduler.fail(entry.req, f"the forward pass failed on this request: {err}")
                 continue
-            try:
-                progressed = self.step()
-            except Exception:  # noqa: BLE001 - a failed step fails its requests, not the engine
-                message = traceback.format_exc(limit=8)
-                print(f"[flowlang] engine step failed:\n{message}", file=sys.stderr)
-                self.scheduler.fail_running(f"engine step failed: {message.splitlines()[-1]}")
-                progressed = True
-            if not progressed:
-                self._stop.wait(0.001)
+            self.scheduler.process(single, logits)
 
-    def _drain_commands(self, block: bool) -> None:
-        try:
-            command = self._commands.get(block=block)
-        except queue.Empty:
-            return
-        while True:
-            command()
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+    @property
+    def is_alive(self) -> bool:
+        """Whether the loop thread runs (False after close, or if it died)."""
+        return self._loop.is_alive
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() was called."""
+        return self._closed
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the loop thread died, if it did."""
+        return self._loop.fatal_error
 
     # ------------------------------------------------------------------ public API
     def submit(
@@ -150,7 +147,7 @@ class Engine:
                 raise InvalidRequestError(f"request id {request.rid!r} is already in flight")
             self._rids.add(request.rid)
         handle = RequestHandle(request.rid, self.abort, loop)
-        req.on_delta = lambda r: handle.push_delta(r.gen.stream_delta())
+        req.on_delta = lambda r: handle.push_chunk(stream_chunk_of(r))
         req.on_finish = lambda r: self._finished(handle, r)
         self._run_in_loop(lambda: self.scheduler.add(req))
         return handle
@@ -238,10 +235,7 @@ class Engine:
         deadline = time.monotonic() + drain_timeout
         while self.scheduler.has_work() and time.monotonic() < deadline:
             time.sleep(0.02)
-        self._commands.put(self._abort_everything)
-        self._stop.set()
-        self._commands.put(lambda: None)
-        self._thread.join()
+        self._loop.stop(self._abort_everything)
 
     def __enter__(self) -> Engine:
         return self
@@ -253,8 +247,10 @@ class Engine:
     def _finished(self, handle: RequestHandle, req: Req) -> None:
         with self._rids_lock:
             self._rids.discard(req.rid)
-        handle.push_delta(req.gen.stream_delta())
-        handle.deliver(result_of(req))
+        try:
+            handle.push_chunk(stream_chunk_of(req))
+        finally:  # the result is delivered even if the caller's stream broke
+            handle.deliver(result_of(req))
 
     def _pin_ids(
         self, ids: list[int], namespace: str | None, hints: GraphHints | None, keep_row: bool
@@ -292,19 +288,11 @@ class Engine:
 
     def _run_in_loop(self, fn: Callable[[], Any]) -> None:
         self._check_open()
-        self._commands.put(fn)
+        self._loop.post(fn)
 
     def _call_in_loop(self, fn: Callable[[], Any]) -> Any:
-        done: Future = Future()
-
-        def run() -> None:
-            try:
-                done.set_result(fn())
-            except Exception as err:  # noqa: BLE001 - handed to the caller
-                done.set_exception(err)
-
-        self._run_in_loop(run)
-        return done.result()
+        self._check_open()
+        return self._loop.call(fn)
 
     def _abort_everything(self) -> None:
         scheduler = self.scheduler

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from typing import Any
 
 import torch
@@ -44,6 +45,12 @@ class RequestIntake:
             else self.tokens(request.text, special=True)
         )
         self.validate_prompt(ids, params.max_new_tokens)
+        self.validate_ids(params.stop_token_ids, "stop token id")
+        if (params.stop or params.stop_regex) and self.tokenizer is None:
+            raise InvalidRequestError(
+                "stop and stop_regex match the text, and this model has no tokenizer: "
+                "use stop_token_ids"
+            )
         kind = ReqKind.GENERATE if params.max_new_tokens else ReqKind.PREFILL
         logprob_start = (params.logprob_start_len or 1) if params.prompt_logprobs else None
         return self._req(
@@ -55,6 +62,7 @@ class RequestIntake:
             request.hints,
             self._constraint_state(request),
             logprob_start=logprob_start,
+            deadline=time.monotonic() + request.timeout_s if request.timeout_s else None,
         )
 
     def pin_req(
@@ -130,18 +138,14 @@ class RequestIntake:
             return list(text_or_ids)
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: send input_ids, not text")
+        check_unicode(text_or_ids)
         return list(self.tokenizer.encode(text_or_ids, add_special_tokens=special))
 
     def validate_prompt(self, ids: list[int], max_new_tokens: int) -> None:
         """Refuse prompts that are empty, out of vocabulary, or can never fit."""
         if not ids:
             raise InvalidRequestError("the prompt is empty")
-        vocab = self.arch.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
-            )
+        self.validate_ids(ids, "token id")
         total = len(ids) + max_new_tokens
         context = self.arch.max_context_len
         if total > context:
@@ -154,6 +158,13 @@ class RequestIntake:
                 f"prompt of {len(ids)} tokens + max_new_tokens {max_new_tokens} can never fit "
                 f"in the KV pool of {self.num_slots} slots"
             )
+
+    def validate_ids(self, ids: list[int], what: str) -> None:
+        """Every id must name a token of the vocabulary (a bad one would fail the forward)."""
+        vocab = self.arch.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"{what} {bad} is outside the vocabulary (0..{vocab - 1})")
 
     # ------------------------------------------------------------------ grammars
     @property
@@ -180,3 +191,13 @@ class RequestIntake:
             return self.grammars.new_state(request.constraint)
         except InvalidConstraintError as err:
             raise InvalidRequestError(str(err)) from err
+
+
+def check_unicode(text: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate, which JSON can carry)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidRequestError(
+            f"the text is not valid Unicode: {err.reason} at character {err.start}"
+        ) from err

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass, field
 
+import regex
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
+MAX_STOP_REGEX_COUNT = 32  # SGLang's limits, so a pattern it takes is taken here
+MAX_STOP_REGEX_BYTES = 256
 
 
 class _Frozen(BaseModel):
@@ -18,6 +24,8 @@ class SamplingParams(_Frozen):
     True
     """
 
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
     max_new_tokens: int = Field(128, ge=0, description="tokens to generate at most")
     min_new_tokens: int = Field(0, ge=0, description="EOS and stop ids are ignored before this")
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
@@ -28,10 +36,19 @@ class SamplingParams(_Frozen):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI-style, output only")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI-style, output only")
     seed: int | None = Field(None, description="per-request seed: same seed, same samples")
-    stop: list[str] = Field(default_factory=list, description="stop strings, cut from the text")
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop: list[str] = Field(
+        default_factory=list, max_length=64, description="stop strings, cut from the text"
+    )
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=1024)
+    stop_regex: list[str] = Field(
+        default_factory=list,
+        description="stop once the text so far contains a non-empty match of one of these "
+        "patterns; the match is cut from the text like a stop string",
+    )
     ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: bool = Field(
+        False, description="keep the matched stop string (or stop_regex match) in the text"
+    )
     skip_special_tokens: bool = True
     logprobs: bool = Field(False, description="return the logprob of each chosen token")
     top_logprobs: int = Field(0, ge=0, le=20, description="also the top-k alternatives per step")
@@ -43,7 +60,7 @@ class SamplingParams(_Frozen):
         "before it may come from the cache",
     )
 
-    @field_validator("stop", mode="before")
+    @field_validator("stop", "stop_regex", mode="before")
     @classmethod
     def _stop_as_list(cls, value: object) -> object:
         if value is None:
@@ -57,6 +74,24 @@ class SamplingParams(_Frozen):
             raise ValueError("stop strings must be non-empty")
         return value
 
+    @field_validator("stop_regex")
+    @classmethod
+    def _stop_regex_compiles(cls, value: list[str]) -> list[str]:
+        if len(value) > MAX_STOP_REGEX_COUNT:
+            raise ValueError(
+                f"at most {MAX_STOP_REGEX_COUNT} stop_regex patterns, got {len(value)}"
+            )
+        for pattern in value:
+            if not pattern or len(pattern.encode()) > MAX_STOP_REGEX_BYTES:
+                raise ValueError(
+                    f"stop_regex {pattern!r} must be 1 to {MAX_STOP_REGEX_BYTES} bytes long"
+                )
+            try:
+                regex.compile(pattern)
+            except regex.error as err:
+                raise ValueError(f"invalid stop_regex {pattern!r}: {err}") from err
+        return value
+
     @model_validator(mode="after")
     def _min_below_max(self) -> SamplingParams:
         if self.min_new_tokens > self.max_new_tokens:
@@ -67,7 +102,8 @@ class SamplingParams(_Frozen):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # as SGLang and vLLM do: a temperature this small is greedy (dividing by it overflows)
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
     @property
     def needs_penalties(self) -> bool:
@@ -127,6 +163,9 @@ class GenerateRequest(_Frozen):
     constraint: Constraint | None = None
     hints: GraphHints = Field(default_factory=GraphHints)
     namespace: str | None = Field(None, description="cache salt: no sharing across namespaces")
+    timeout_s: float | None = Field(
+        None, gt=0, description="abort the request this long after submit (queueing included)"
+    )
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
@@ -152,8 +191,28 @@ class GenerateResult(_Frozen):
     completion_tokens: int
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = Field(
+        None, description="with prompt_logprobs and top_logprobs: the top-k at each position"
+    )
     prompt_ids: list[int] | None = Field(None, description="with prompt_logprobs: their tokens")
     error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamChunk:
+    """What a running request produced since its previous chunk (a plain dataclass: one is
+    made per generated token, on the engine's loop thread)."""
+
+    text: str  # new text that can no longer be cut by a stop rule
+    output_ids: list[int]  # tokens generated since the previous chunk
+    num_output_tokens: int  # generated so far
+    num_prompt_tokens: int
+    cached_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of output_ids, when asked
+    # the prompt's logprobs (top-k, ids), when asked: in the first chunk only
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_ids: list[int] | None = None
 
 
 class ScoreRequest(_Frozen):

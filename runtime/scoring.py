@@ -45,6 +45,8 @@ class ContinuationScorer:
         conts = [self.intake.tokens(c, special=False) for c in request.continuations]
         if any(not c for c in conts):
             raise InvalidRequestError("every continuation needs at least one token")
+        for cont in conts:
+            self.intake.validate_ids(cont, "continuation token id")
         self.intake.validate_prompt(prefix_ids, max(map(len, conts)))
         rows: dict[Context, torch.Tensor] = {}
         pin_ids: list[str] = []

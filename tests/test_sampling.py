@@ -153,7 +153,7 @@ def test_eos_min_and_max_new_tokens(default_tokenizer):
     assert not gen.finished, "EOS before min_new_tokens is not a stop"
     for _ in range(4):
         gen.append(19556)
-    assert gen.finish_reason == "length" and gen.num_output_tokens == 5
+    assert gen.finish_reason == "length" and len(gen.output_ids) == 5
     with pytest.raises(RuntimeError):
         gen.append(1)
     ignoring = GenerationState(SamplingParams(ignore_eos=True), [1], default_tokenizer, [2], 49152)

@@ -59,6 +59,7 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float | None]  # chosen token's raw logprob, for rows that asked
     top_logprobs: list[list[tuple[int, float]] | None]
+    errors: list[str | None]  # per row: why it could not be sampled (the request fails alone)
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplerState]) -> SampleOutput:
@@ -78,14 +79,25 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerState]) -> SampleOutput:
 
         apply_constraints(logits, constrained)
 
-    chosen = torch.empty(num_rows, dtype=torch.int64)
-    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+    # a row fails alone: NaN logits, or a mask that leaves no token
+    errors: list[str | None] = [None] * num_rows
+    for i in (torch.isnan(logits).any(dim=-1) | (logits.amax(dim=-1) == -torch.inf)).nonzero():
+        errors[int(i)] = "no token can be sampled here (the constraint or the model left none)"
+    chosen = torch.zeros(num_rows, dtype=torch.int64)
+    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy and errors[i] is None]
     if greedy:
         chosen[greedy] = logits[greedy].argmax(dim=-1)
-    sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy and errors[i] is None]
     if sampled:
         probs = _filtered_probs(logits[sampled], [rows[i].params for i in sampled])
+        valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)  # (num_sampled,)
         for j, i in enumerate(sampled):
+            if not valid[j]:
+                errors[i] = (
+                    "the sampling parameters leave no valid distribution (temperature, "
+                    "penalties or top-k/top-p/min-p too extreme)"
+                )
+                continue
             chosen[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
 
     token_ids = chosen.tolist()
@@ -101,7 +113,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerState]) -> SampleOutput:
             n = r.params.top_logprobs
             if n:
                 tops[i] = list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist(), strict=True))
-    return SampleOutput(token_ids, logprobs, tops)
+    return SampleOutput(token_ids, logprobs, tops, errors)
 
 
 def token_logprobs(logits: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
@@ -141,6 +153,7 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
         sorted_probs = sorted_logits.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly better tokens
         drop_sorted = mass_before >= top_ps[:, None]  # keeps the smallest set reaching top_p
+        drop_sorted[:, 0] = False  # the top token always stays (a top_p below fp32's range)
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(dim=-1)

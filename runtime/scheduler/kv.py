@@ -69,6 +69,21 @@ class KVManager:
         """The most one request could ever hold now: everything not protected."""
         return self.allocator.num_slots - self.cache.protected_size
 
+    def shares_inflight(self, req: Req, cached: int, running: Sequence[Req]) -> bool:
+        """Whether a running request computes (or holds uninserted) tokens `req` shares beyond
+        its cache match: then `req` should wait for their insertion, not compute them again."""
+        end = min(req.match_limit, cached + self.page_size)
+        if not self.cache.can_share or end - cached < self.page_size:
+            return False  # nothing inserted can be reused, or no whole page left to share
+        ids = req.all_ids
+        return any(
+            other.namespace == req.namespace
+            and other.num_tokens >= end
+            and other.tokens(cached, end) == ids[cached:end]
+            and other.tokens(0, cached) == ids[:cached]
+            for other in running
+        )
+
     # ------------------------------------------------------------------ protocol
     def take_prefix(self, req: Req, position: TreePosition) -> int:
         """Admission: lock the matched prefix up to `position` and adopt its slots."""

@@ -19,7 +19,11 @@ back to the front of the queue, and on resumption reuse whatever survived evicti
 from __future__ import annotations
 
 import math
+import sys
+import time
+import traceback
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -95,12 +99,18 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> ScheduledBatch | None:
         """The next batch, with every slot it writes allocated; None if nothing can run."""
+        self._abort_expired()
         entries = self._schedule_entries()
         if not entries:
             return None
         self.counters["steps"] += 1
         used = self.kv.allocator.num_used_slots
         self.counters["peak_used_slots"] = max(self.counters["peak_used_slots"], used)
+        return self.batch_of(entries)
+
+    @staticmethod
+    def batch_of(entries: list[BatchEntry]) -> ScheduledBatch:
+        """The forward batch for `entries` (their slots are already allocated)."""
         forward = ForwardBatch.build(
             [e.req.tokens(e.req.num_computed, e.req.num_computed + e.num_new) for e in entries],
             [e.req.slots[: e.req.num_computed + e.num_new] for e in entries],
@@ -134,6 +144,13 @@ class Scheduler:
             else:
                 self.retract(max(self.running, key=lambda r: r.admit_seq))
 
+    def _abort_expired(self) -> None:
+        """Abort requests whose deadline (GenerateRequest.timeout_s) has passed."""
+        now = time.monotonic()
+        for req in [*self.waiting.values(), *self.running]:
+            if req.deadline is not None and req.deadline < now:
+                self.fail(req, "the request's timeout passed before it finished", "abort")
+
     def _has_room_to_run(self) -> bool:
         return len(self.running) < self.config.max_running_requests
 
@@ -144,7 +161,7 @@ class Scheduler:
             if budget <= 0 or not self._has_room_to_run():
                 break
             position = self.policy.match(req)  # reused: admission never matches again
-            if self._waits_for_inflight(req, position.prefix_len):
+            if self.kv.shares_inflight(req, position.prefix_len, self.running):
                 self.counters["prefill_waits"] += 1
                 continue
             need = req.num_tokens - position.prefix_len + self._growth_reserve(req)
@@ -181,22 +198,6 @@ class Scheduler:
         self.counters["cached_tokens"] -= req.num_locked
         self.kv.release(req, insert=False, step=self.counters["steps"])
         self.add(req)
-
-    def _waits_for_inflight(self, req: Req, cached: int) -> bool:
-        """Whether a running request computes (or holds uninserted) tokens `req` shares beyond
-        its cache match: then `req` waits for their insertion instead of computing them again."""
-        page_size = self.config.page_size
-        end = min(req.match_limit, cached + page_size)
-        if not self.kv.cache.can_share or end - cached < page_size:
-            return False  # nothing inserted can be reused, or no whole page left to share
-        ids = req.all_ids
-        return any(
-            other.namespace == req.namespace
-            and other.num_tokens >= end
-            and other.tokens(cached, end) == ids[cached:end]
-            and other.tokens(0, cached) == ids[:cached]
-            for other in self.running
-        )
 
     def _queued_positions(self):
         """Waiting requests' current matches in admission order (graph eviction's future)."""
@@ -237,13 +238,12 @@ class Scheduler:
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
 
     def _fail_too_large(self, req: Req, need: int) -> None:
-        self.waiting.pop(req.rid, None)
-        req.error = (
+        self.fail(
+            req,
             f"request needs {need} KV slots but the pool has {self.kv.allocator.num_slots} "
             f"({self.kv.cache.protected_size} held by pins and running prefixes); "
-            "raise max_kv_tokens"
+            "raise max_kv_tokens",
         )
-        self._finish(req, "error")
 
     # ------------------------------------------------------------------ process
     def process(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
@@ -280,11 +280,13 @@ class Scheduler:
         reqs = [r for r, _ in to_sample]
         out = sample(logits[[i for _, i in to_sample]], [r.gen.sampler for r in reqs])
         for i, req in enumerate(reqs):
+            if out.errors[i] is not None:
+                self.fail(req, out.errors[i])
+                continue
             req.gen.append(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
             if self.config.enable_jump_forward:
                 self.counters["jump_forward_tokens"] += req.gen.jump_forward()
-            if req.on_delta:
-                req.on_delta(req)
+            _notify(req.on_delta, req)
             if req.gen.finished:
                 self._finish(req, req.gen.finish_reason)
 
@@ -298,8 +300,7 @@ class Scheduler:
         self.kv.keep_locked_prefix(req)
         req.status = ReqStatus.PINNED
         self.pins[req.rid] = req
-        if req.on_finish:
-            req.on_finish(req)
+        _notify(req.on_finish, req)
 
     def _finish(self, req: Req, reason: str) -> None:
         if req in self.running:
@@ -308,14 +309,18 @@ class Scheduler:
         req.gen.finish(reason)
         req.status = ReqStatus.FINISHED
         self.counters[{"abort": "aborted", "error": "errors"}.get(reason, "finished")] += 1
-        if req.on_finish:
-            req.on_finish(req)
+        _notify(req.on_finish, req)
+
+    def fail(self, req: Req, message: str, reason: str = "error") -> None:
+        """End one request (waiting or running) with `message`; all it held is released."""
+        self.waiting.pop(req.rid, None)
+        req.error = message
+        self._finish(req, reason)
 
     def fail_running(self, message: str) -> None:
         """After an exception in a step: fail the running requests, keep serving the rest."""
         for req in list(self.running):
-            req.error = message
-            self._finish(req, "error")
+            self.fail(req, message)
 
     # ------------------------------------------------------------------ stats, checks
     def stats(self) -> dict[str, float]:
@@ -354,6 +359,16 @@ class Scheduler:
         for req in self.waiting.values():
             assert req.capacity == 0 and req.lock_pos is None, f"waiting {req} holds KV"
         self.kv.check_integrity([*self.running, *self.pins.values()])
+
+
+def _notify(callback: Callable[[Req], None] | None, req: Req) -> None:
+    """Call a caller's callback; one that raises is reported and never stops the engine."""
+    if callback is None:
+        return
+    try:
+        callback(req)
+    except Exception:  # noqa: BLE001 - the caller's bug, not the scheduler's state
+        traceback.print_exc(file=sys.stderr)
 
 
 def _prefill_entry(req: Req, num_new: int) -> BatchEntry:

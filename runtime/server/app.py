@@ -8,17 +8,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+import os
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.server import flowlang_api, openai_api, ops, sglang_api
-from runtime.server.errors import error_response, install_error_handlers
+from runtime.server.errors import BodyTooLargeError, error_response, install_error_handlers
 from runtime.server.state import Server, ServerSettings
 
 __all__ = ["ServerSettings", "create_app", "serve"]
+
+ADMIN_PATHS = frozenset({"/flush_cache", "/start_profile", "/stop_profile"})
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
@@ -26,7 +33,9 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     server = Server(engine, settings or ServerSettings())
     app = FastAPI(title="flowlang", lifespan=_lifespan)
     app.state.server = server
-    app.middleware("http")(_guard)
+    # the last added runs first: the guard, then the body limit right around the routes
+    app.add_middleware(BodyLimit, limit_bytes=server.settings.max_body_bytes)
+    app.add_middleware(Guard, server=server)
     install_error_handlers(app, server)
     for api in (ops, sglang_api, openai_api, flowlang_api):
         app.include_router(api.router)
@@ -51,33 +60,91 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     await asyncio.to_thread(server.engine.close, settings.drain_timeout)
 
 
-async def _guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-    """Count every request; refuse an oversized body (413) or a missing or wrong API key (401)."""
-    server: Server = request.app.state.server
-    server.http_requests[request.url.path] += 1
-    limit = server.settings.max_body_bytes
-    length = request.headers.get("content-length")
-    if length is not None and int(length) > limit:
-        return error_response(
-            413, f"request body of {length} bytes exceeds the limit of {limit}", server
-        )
-    request.state.tenant = "anonymous"
-    if server.keys and request.url.path != "/health":
+class Guard:
+    """ASGI middleware: refuse an oversized declared body (413) or a missing or wrong API key
+    (401); admin routes need an admin key (403). Requests are counted after the key check, by
+    route template only (a label from the raw path would let anyone write into /metrics).
+
+    Plain ASGI rather than Starlette's BaseHTTPMiddleware, whose wrapped `receive` hides a
+    client's disconnect from the routes (so nobody could abort its work)."""
+
+    def __init__(self, app: ASGIApp, server: Server) -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = self._refusal(Request(scope))
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+        route = scope.get("route")
+        self.server.http_requests[route.path if route is not None else "unmatched"] += 1
+
+    def _refusal(self, request: Request) -> Response | None:
+        """An error response for a request that must not reach the routes; sets its tenant."""
+        server = self.server
+        limit = server.settings.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return error_response(
+                413, f"request body of {length} bytes exceeds the limit of {limit}", server
+            )
+        request.state.tenant = "anonymous"
+        path = request.url.path
+        if not server.keys or path == "/health":
+            return None
         header = request.headers.get("authorization", "")
         key = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
         if key not in server.keys:
             return error_response(
                 401, "missing or invalid API key (Authorization: Bearer ...)", server
             )
+        if path in ADMIN_PATHS and key not in server.admin_keys:
+            return error_response(403, f"{path} needs an admin key", server)
         request.state.tenant = server.keys[key]
-    return await call_next(request)
+        return None
+
+
+class BodyLimit:
+    """ASGI middleware: a body read past `limit_bytes` fails with 413, whether or not it
+    declared a Content-Length (a chunked body is counted as it arrives)."""
+
+    def __init__(self, app: ASGIApp, limit_bytes: int) -> None:
+        self.app = app
+        self.limit_bytes = limit_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        num_bytes = 0
+
+        async def limited() -> Message:
+            nonlocal num_bytes
+            message = await receive()
+            num_bytes += len(message.get("body", b""))
+            if num_bytes > self.limit_bytes:
+                raise BodyTooLargeError(
+                    f"request body exceeds the limit of {self.limit_bytes} bytes"
+                )
+            return message
+
+        await self.app(scope, limited, send)
 
 
 def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
-    """Run the server until interrupted; then drain, release every pin, stop the engine."""
+    """Run the server until interrupted; then drain, release every pin, stop the engine.
+
+    If the engine's loop ever dies, the process exits with status 70 so a supervisor restarts
+    it (/health says 503 meanwhile)."""
     import uvicorn
 
     engine = Engine(engine_config)
+    threading.Thread(target=_exit_if_engine_dies, args=(engine,), daemon=True).start()
     app = create_app(engine, settings)
     uvicorn.run(
         app,
@@ -85,4 +152,14 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
         port=settings.port,
         log_level="info",
         timeout_graceful_shutdown=int(settings.drain_timeout) + 5,
+        timeout_keep_alive=5,
     )
+
+
+def _exit_if_engine_dies(engine: Engine) -> None:
+    while engine.is_alive or engine.closed:
+        if engine.closed:
+            return
+        time.sleep(1.0)
+    print(f"[flowlang] the engine died ({engine.fatal_error}); exiting", file=sys.stderr)
+    os._exit(70)

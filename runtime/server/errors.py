@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -20,6 +20,17 @@ if TYPE_CHECKING:
     from runtime.server.state import Server
 
 
+class BodyTooLargeError(HTTPException):
+    """The request body grew past the server's limit while it was read (an HTTPException, so
+    FastAPI's body parsing passes it on instead of calling it a parse error)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(413, message)
+
+    def __str__(self) -> str:
+        return self.detail
+
+
 class ClientGone(Exception):
     """The client disconnected before its result was ready (the request was aborted)."""
 
@@ -28,6 +39,7 @@ class ClientGone(Exception):
 STATUS: dict[type[Exception], tuple[int, str | None]] = {
     InvalidRequestError: (400, None),
     UnknownRequestError: (404, None),
+    BodyTooLargeError: (413, None),
     ClientGone: (499, "client closed the request"),
     RequestError: (500, None),
     EngineClosedError: (503, "the server is shutting down"),

@@ -52,15 +52,15 @@ async def info(server: ServerDep):
 @router.post("/tokenize")
 async def tokenize(body: TokenizeBody, server: ServerDep):
     """Token ids of `text`."""
-    tokenizer = server.engine.tokenizer
-    return {"ids": tokenizer.encode(body.text, add_special_tokens=body.add_special_tokens)}
+    tokens = server.engine.intake.tokens  # validated, and off the event loop (large texts)
+    return {"ids": await asyncio.to_thread(tokens, body.text, body.add_special_tokens)}
 
 
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request, server: ServerDep):
     """One request, streamed: {"delta": text} events, then {"result": GenerateResult}."""
     body = body.model_copy(update={"namespace": server.namespace(request, body.namespace)})
-    handles = server.submit([body])
+    handles = await server.submit([body])
     return sse(server.engine, handles, _events(handles[0]))
 
 

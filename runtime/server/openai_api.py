@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -11,6 +12,7 @@ from fastapi import APIRouter, Request
 
 from runtime.errors import InvalidRequestError
 from runtime.handles import RequestHandle
+from runtime.intake import check_unicode
 from runtime.protocol import Constraint, GenerateRequest, GenerateResult
 from runtime.server.schemas import ChatBody, CompletionBody
 from runtime.server.state import Server, ServerDep
@@ -52,7 +54,7 @@ async def completions(body: CompletionBody, request: Request, server: ServerDep)
                     **({"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}),
                 )
             )
-    handles = server.submit(requests)
+    handles = await server.submit(requests)
     created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
         chunks = _completion_stream(server, handles, cid, created)
@@ -80,7 +82,7 @@ async def completions(body: CompletionBody, request: Request, server: ServerDep)
 @router.post("/chat/completions")
 async def chat(body: ChatBody, request: Request, server: ServerDep):
     """Chat completion through the model's chat template, with response_format schemas."""
-    prompt = _chat_prompt(server, body)
+    prompt = await asyncio.to_thread(_chat_prompt, server, body)  # templates can be slow
     constraint: Constraint | None = body.constraint()
     top = body.top_logprobs or 0
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -94,7 +96,7 @@ async def chat(body: ChatBody, request: Request, server: ServerDep):
         )
         for i in range(body.n)
     ]
-    handles = server.submit(requests)
+    handles = await server.submit(requests)
     created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
@@ -122,6 +124,8 @@ async def chat(body: ChatBody, request: Request, server: ServerDep):
 
 def _chat_prompt(server: Server, body: ChatBody) -> list[int]:
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    for message in messages:
+        check_unicode(message["content"])
     try:
         return list(
             server.engine.tokenizer.apply_chat_template(

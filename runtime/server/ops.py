@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from runtime.server.metrics import prometheus_text
 from runtime.server.state import ServerDep
@@ -14,8 +14,11 @@ router = APIRouter()
 
 
 @router.get("/health")
-async def health():
-    """Liveness probe; the only route that needs no API key."""
+async def health(server: ServerDep):
+    """Liveness probe (no API key needed): 503 once the engine's loop is gone."""
+    if not server.engine.is_alive:
+        reason = server.engine.fatal_error or "the engine is closed"
+        return JSONResponse({"status": "dead", "error": reason}, status_code=503)
     return {"status": "ok"}
 
 

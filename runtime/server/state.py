@@ -24,6 +24,7 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 30000
     api_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = ()  # also valid API keys; only these may flush the cache
     max_body_bytes: int = 8 << 20
     pin_lease_seconds: float = 30.0
     drain_timeout: float = 10.0
@@ -39,7 +40,9 @@ class Server:
         self.http_requests: Counter[str] = Counter()
         self.http_errors: Counter[int] = Counter()
         self.started = time.time()
-        self.keys = {k: "k" + hashlib.sha256(k.encode()).hexdigest()[:8] for k in settings.api_keys}
+        keys = (*settings.api_keys, *settings.admin_keys)
+        self.keys = {k: "k" + hashlib.sha256(k.encode()).hexdigest()[:8] for k in keys}
+        self.admin_keys = frozenset(settings.admin_keys)
 
     def tenant(self, request: Request) -> str:
         """Who is calling: the API key's tag, or "anonymous" without keys."""
@@ -51,9 +54,17 @@ class Server:
         parts = [p for p in (tenant, requested) if p]
         return "/".join(parts) or None
 
-    def submit(self, requests: list[GenerateRequest]) -> list[RequestHandle]:
-        """Submit all of `requests` (streaming to this event loop), or none of them."""
+    async def submit(self, requests: list[GenerateRequest]) -> list[RequestHandle]:
+        """Submit all of `requests` (streaming to this event loop), or none of them.
+
+        Tokenizing and grammar compilation happen in a worker thread: a huge prompt or a
+        pathological grammar never stalls the event loop (/health included)."""
         loop = asyncio.get_running_loop()
+        return await asyncio.to_thread(self._submit_all, requests, loop)
+
+    def _submit_all(
+        self, requests: list[GenerateRequest], loop: asyncio.AbstractEventLoop
+    ) -> list[RequestHandle]:
         handles: list[RequestHandle] = []
         try:
             for request in requests:

@@ -1,0 +1,143 @@
+"""The server under hostile clients: what they send never reaches /metrics as a label, bodies
+are bounded however they arrive, admin routes need an admin key, a client that gives up
+aborts its work, and /health tells the truth about the engine."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from conftest import ServerThread
+
+from flowlang.cli import read_keys
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+
+LONG = {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_model_dir):
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=6000))
+    server = ServerThread(
+        engine, api_keys=("user-key",), admin_keys=("admin-key",), max_body_bytes=4000
+    )
+    yield server
+    server.stop()
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_metrics_count_route_templates_after_auth(guarded):
+    with httpx.Client(base_url=guarded.url, timeout=30) as client:
+        for i in range(20):
+            client.get(f'/junk{i}"}} fake_series 1 #', headers=auth("wrong"))
+        client.get("/no/such/route", headers=auth("user-key"))
+        client.get("/v1/models", headers=auth("user-key"))
+        text = client.get("/metrics", headers=auth("user-key")).text
+    assert "junk" not in text and "fake_series" not in text
+    assert 'path="unmatched"' in text and 'path="/v1/models"' in text
+
+
+def test_a_chunked_body_past_the_limit_is_413(guarded):
+    def chunks():
+        for _ in range(10):
+            yield b" " * 1000  # no Content-Length: 10 kB against a 4 kB limit
+
+    with httpx.Client(base_url=guarded.url, timeout=30) as client:
+        response = client.post(
+            "/generate", content=chunks(), headers={**auth("user-key"), "content-type": "json"}
+        )
+        assert response.status_code == 413, response.text
+        assert "exceeds the limit of 4000 bytes" in response.json()["error"]["message"]
+        ok = client.post(
+            "/generate",
+            json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}},
+            headers=auth("user-key"),
+        )
+        assert ok.status_code == 200
+
+
+def test_admin_routes_need_an_admin_key(guarded):
+    with httpx.Client(base_url=guarded.url, timeout=30) as client:
+        assert client.post("/flush_cache", headers=auth("user-key")).status_code == 403
+        assert client.post("/flush_cache", headers=auth("admin-key")).status_code == 200
+        assert client.get("/v1/models", headers=auth("admin-key")).status_code == 200
+
+
+def test_a_non_streaming_client_that_gives_up_aborts_its_request(guarded):
+    before = guarded.engine.stats()["requests_aborted_total"]
+    with httpx.Client(base_url=guarded.url, timeout=1.5) as client:
+        with pytest.raises(httpx.TimeoutException):
+            client.post(
+                "/generate",
+                json={"input_ids": [1, 2, 3], "sampling_params": LONG},
+                headers=auth("user-key"),
+            )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = guarded.engine.stats()
+        if stats["requests_aborted_total"] > before and stats["num_running"] == 0:
+            break
+        time.sleep(0.1)
+    assert stats["requests_aborted_total"] == before + 1 and stats["num_running"] == 0
+    guarded.engine.check_integrity()
+
+
+def test_health_says_503_once_the_engine_is_gone(tiny_model_dir):
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=2000))
+    server = ServerThread(engine)
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            assert client.get("/health").json() == {"status": "ok"}
+            engine.close()
+            response = client.get("/health")
+            assert response.status_code == 503 and response.json()["status"] == "dead"
+    finally:
+        server.stop()
+
+
+def test_keys_come_from_a_file_and_the_environment(tmp_path, monkeypatch):
+    path = tmp_path / "keys"
+    path.write_text("alpha\n\n beta \n")
+    monkeypatch.setenv("FLOWLANG_API_KEYS", "gamma, delta")
+    assert read_keys(str(path), "FLOWLANG_API_KEYS") == ("gamma", "delta", "alpha", "beta")
+    monkeypatch.delenv("FLOWLANG_API_KEYS")
+    assert read_keys(None, "FLOWLANG_API_KEYS") == ()
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/generate", {"text": "a\ud800b", "sampling_params": {"max_new_tokens": 2}}),
+        ("/v1/completions", {"model": "m", "prompt": "a\ud800b", "max_tokens": 2}),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "a\ud800b"}]},
+        ),
+        ("/v1/flowlang/tokenize", {"text": "a\ud800b"}),
+        ("/v1/flowlang/score", {"prefix": "a\ud800b", "continuations": ["x"]}),
+        ("/v1/flowlang/score", {"prefix": [1, 2], "continuations": [[-1]]}),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": [{"text": 7}]}]},
+        ),
+        ("/generate", {"text": "hi", "sampling_params": {"temperature": "Infinity"}}),
+    ],
+)
+def test_client_mistakes_are_4xx_never_500(guarded, path, body):
+    with httpx.Client(base_url=guarded.url, timeout=60) as client:
+        content = json.dumps(body)  # ASCII escapes: how a lone surrogate travels in JSON
+        headers = {**auth("user-key"), "content-type": "application/json"}
+        response = client.post(path, content=content, headers=headers)
+        assert 400 <= response.status_code < 500, response.text
+        control = client.post(
+            "/generate",
+            json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}},
+            headers=auth("user-key"),
+        )
+        assert control.status_code == 200
