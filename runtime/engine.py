@@ -115,7 +115,8 @@ class Engine:
             try:
                 logits = self.runner.forward(single.forward)
             except Exception as err:  # noqa: BLE001 - this request's own failure
-                self.scheduler.fail(entry.req, f"the forward pass failed on this request: {err}")
+                message = f"the forward pass failed on this request: {err}"
+                self.scheduler.fail(entry.req, message, kind="internal")
                 continue
             self.scheduler.process(single, logits)
 

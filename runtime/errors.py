@@ -6,6 +6,8 @@ becomes a 500, never a client error.
 
 from __future__ import annotations
 
+from runtime.protocol import GenerateResult
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses before running it; the message names the problem."""
@@ -24,3 +26,20 @@ class EngineClosedError(RuntimeError):
 
 class RequestError(RuntimeError):
     """A request that failed while running (the engine itself keeps serving)."""
+
+
+class EngineBusyError(RuntimeError):
+    """The engine cannot take this request now (its memory is held by pins and running
+    requests); the same request may succeed later."""
+
+    retry_after_s = 5
+
+
+def error_of(result: GenerateResult) -> Exception:
+    """The domain error a failed result stands for (finish_reason "error")."""
+    message = result.error or "generation failed"
+    if result.error_kind == "busy":
+        return EngineBusyError(message)
+    if result.error_kind == "internal":
+        return RequestError(message)
+    return InvalidRequestError(message)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from typing import Literal
 
 import regex
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -196,6 +197,9 @@ class GenerateResult(_Frozen):
     )
     prompt_ids: list[int] | None = Field(None, description="with prompt_logprobs: their tokens")
     error: str | None = None
+    error_kind: Literal["invalid", "busy", "internal"] | None = Field(
+        None, description="whose fault an error is: the request's, momentary load, or ours"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ def result_of(req: Req) -> GenerateResult:
         else None,
         prompt_ids=list(req.prompt_ids) if prompt_asked else None,
         error=req.error,
+        error_kind=req.error_kind,
     )
 
 

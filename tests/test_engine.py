@@ -225,15 +225,18 @@ def test_bad_requests_fail_alone(tiny_model_dir):
         eng.submit(good)
 
 
-def test_a_request_larger_than_the_pool_fails_alone(tiny_model_dir):
+def test_a_request_the_pins_leave_no_room_for_fails_alone_as_busy(tiny_model_dir):
     with engine(tiny_model_dir, max_kv_tokens=600) as eng:
         pin = eng.pin(list(range(100, 400)))  # 300 of 600 slots held
         big = GenerateRequest(input_ids=list(range(1000, 1400)), sampling=GREEDY)
         small = GenerateRequest(input_ids=[1, 2, 3], sampling=GREEDY)
         results = eng.generate([big, small])
-        assert results[0].finish_reason == "error" and "raise max_kv_tokens" in results[0].error
+        assert results[0].finish_reason == "error" and results[0].error_kind == "busy"
+        assert "300 of 600 are held: retry later" in results[0].error
         assert results[1].finish_reason == "length"
         pin.release()
+        retried = eng.generate(big.model_copy(update={"rid": "again"}))[0]
+        assert retried.finish_reason == "length", "with the pin gone the same request fits"
 
 
 # ---------------------------------------------------------------- scoring, streaming, logprobs

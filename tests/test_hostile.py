@@ -5,6 +5,7 @@ aborts its work, and /health tells the truth about the engine."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -141,3 +142,104 @@ def test_client_mistakes_are_4xx_never_500(guarded, path, body):
             headers=auth("user-key"),
         )
         assert control.status_code == 200
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_model_dir):
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=2000))
+    server = ServerThread(
+        engine,
+        api_keys=("a-key", "b-key"),
+        max_requests_per_key=2,
+        max_pinned_tokens_per_key=300,
+        body_read_timeout_s=1.0,
+    )
+    yield server
+    server.stop()
+
+
+def test_a_key_over_its_requests_in_flight_gets_429_and_others_do_not(limited):
+    endless = {**LONG, "max_new_tokens": 1500}  # fits the 2,000-slot pool, runs for long
+    long_body = {"input_ids": [1, 2, 3], "sampling_params": endless}
+
+    def hold(client):
+        with pytest.raises(httpx.TimeoutException):
+            client.post("/generate", json=long_body, headers=auth("a-key"))
+
+    with httpx.Client(base_url=limited.url, timeout=4) as slow:
+        holders = [threading.Thread(target=hold, args=(slow,)) for _ in range(2)]
+        for thread in holders:
+            thread.start()
+        deadline = time.monotonic() + 3
+        while limited.engine.stats()["num_running"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with httpx.Client(base_url=limited.url, timeout=30) as client:
+            third = client.post("/generate", json=long_body, headers=auth("a-key"))
+            assert third.status_code == 429 and third.headers["retry-after"] == "1"
+            assert "2 requests in flight (limit 2)" in third.json()["error"]["message"]
+            other = client.post(
+                "/generate",
+                json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
+                headers=auth("b-key"),
+            )
+            assert other.status_code == 200
+        for thread in holders:
+            thread.join()
+
+
+def test_pins_past_a_keys_quota_get_429(limited):
+    with httpx.Client(base_url=limited.url, timeout=30) as client:
+        first = client.post(
+            "/v1/flowlang/pin", json={"prefix_ids": list(range(1, 201))}, headers=auth("b-key")
+        )
+        assert first.status_code == 200
+        second = client.post(
+            "/v1/flowlang/pin", json={"prefix_ids": list(range(1, 151))}, headers=auth("b-key")
+        )
+        assert second.status_code == 429 and "quota of 300 pinned tokens" in second.text
+        pin_id = first.json()["pin_id"]
+        assert client.delete(f"/v1/flowlang/pin/{pin_id}", headers=auth("b-key")).status_code < 300
+
+
+def test_a_request_the_pins_crowd_out_gets_503_with_a_retry_hint(limited):
+    with httpx.Client(base_url=limited.url, timeout=30) as client:
+        pins = [
+            client.post(
+                "/v1/flowlang/pin",
+                json={"prefix_ids": list(range(k * 300 + 1, k * 300 + 301))},
+                headers=auth(key),
+            ).json()["pin_id"]
+            for k, key in enumerate(("a-key", "b-key"))
+        ]
+        big = {"input_ids": list(range(700, 2200)), "sampling_params": {"max_new_tokens": 4}}
+        response = client.post("/generate", json=big, headers=auth("a-key"))
+        assert response.status_code == 503 and response.headers["retry-after"] == "5"
+        assert "retry later" in response.json()["error"]["message"]
+        for pin_id, key in zip(pins, ("a-key", "b-key"), strict=True):
+            client.delete(f"/v1/flowlang/pin/{pin_id}", headers=auth(key))
+        assert client.post("/generate", json=big, headers=auth("a-key")).status_code == 200
+
+
+def test_a_body_that_trickles_in_gets_408(limited):
+    def trickle():
+        yield b'{"input_ids": [1, 2],'
+        time.sleep(2.5)  # past the 1 s read timeout
+        yield b' "sampling_params": {"max_new_tokens": 2}}'
+
+    with httpx.Client(base_url=limited.url, timeout=30) as client:
+        headers = {**auth("a-key"), "content-type": "application/json"}
+        response = client.post("/generate", content=trickle(), headers=headers)
+        assert response.status_code == 408, response.text
+
+
+def test_an_oversized_constraint_is_refused_at_once(limited):
+    regex = "(" + "|".join(f"w{i:06d}" for i in range(20_000)) + ")"  # ~160 kB
+    with httpx.Client(base_url=limited.url, timeout=30) as client:
+        started = time.monotonic()
+        response = client.post(
+            "/generate",
+            json={"text": "Pick:", "sampling_params": {"max_new_tokens": 2, "regex": regex}},
+            headers=auth("a-key"),
+        )
+        assert response.status_code == 400 and "the limit is 65,536" in response.text
+        assert time.monotonic() - started < 10

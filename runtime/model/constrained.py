@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -19,6 +21,10 @@ from runtime.protocol import Constraint
 
 class InvalidConstraintError(ValueError):
     """A regex, JSON schema, grammar or choice list that cannot be compiled."""
+
+
+MAX_CONSTRAINT_BYTES = 64 << 10  # a regex, grammar, schema or choice list, serialized
+COMPILE_BUDGET_S = 10.0
 
 
 class GrammarCache:
@@ -46,6 +52,9 @@ class GrammarCache:
                 self.blocked[token_id] = True
         self._compiled: dict[str, Any] = {}
         self._lock = threading.Lock()
+        # compiles run here, so a caller waits at most COMPILE_BUDGET_S (xgrammar cannot be
+        # interrupted: a runaway compile finishes in the background, bounded by the size cap)
+        self._workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flowlang-grammar")
         self.compile_seconds: dict[str, float] = {}
 
     def compile(self, constraint: Constraint) -> Any:
@@ -53,13 +62,22 @@ class GrammarCache:
         with self._lock:
             if key in self._compiled:
                 return self._compiled[key]
+        kind = next(
+            k for k in ("regex", "json_schema", "choices", "grammar") if getattr(constraint, k)
+        )
+        if len(key) > MAX_CONSTRAINT_BYTES:
+            raise InvalidConstraintError(
+                f"the {kind} is {len(key):,} bytes serialized; the limit is "
+                f"{MAX_CONSTRAINT_BYTES:,}"
+            )
         started = time.perf_counter()
         try:
-            compiled = self._compile(constraint)
+            compiled = self._workers.submit(self._compile, constraint).result(COMPILE_BUDGET_S)
+        except FutureTimeout as err:
+            raise InvalidConstraintError(
+                f"compiling the {kind} took over {COMPILE_BUDGET_S:g} s: simplify it"
+            ) from err
         except (RuntimeError, ValueError, TypeError) as err:
-            kind = next(
-                k for k in ("regex", "json_schema", "choices", "grammar") if getattr(constraint, k)
-            )
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
             raise InvalidConstraintError(f"invalid {kind}: {first_line}") from err
         with self._lock:

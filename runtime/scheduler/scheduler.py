@@ -238,12 +238,12 @@ class Scheduler:
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
 
     def _fail_too_large(self, req: Req, need: int) -> None:
-        self.fail(
-            req,
-            f"request needs {need} KV slots but the pool has {self.kv.allocator.num_slots} "
-            f"({self.kv.cache.protected_size} held by pins and running prefixes); "
-            "raise max_kv_tokens",
-        )
+        pool, held = self.kv.allocator.num_slots, self.kv.cache.protected_size
+        if need <= pool:  # it fits an empty pool: pins and running prefixes are in the way
+            message = f"request needs {need} KV slots; {held} of {pool} are held: retry later"
+            self.fail(req, message, kind="busy")
+            return
+        self.fail(req, f"request needs {need} KV slots, the pool has {pool}: raise max_kv_tokens")
 
     # ------------------------------------------------------------------ process
     def process(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
@@ -311,16 +311,17 @@ class Scheduler:
         self.counters[{"abort": "aborted", "error": "errors"}.get(reason, "finished")] += 1
         _notify(req.on_finish, req)
 
-    def fail(self, req: Req, message: str, reason: str = "error") -> None:
-        """End one request (waiting or running) with `message`; all it held is released."""
+    def fail(self, req: Req, message: str, reason: str = "error", kind: str = "invalid") -> None:
+        """End one request (waiting or running) with `message`; all it held is released.
+        `kind` says whose fault it is: the request's, momentary load ("busy"), or ours."""
         self.waiting.pop(req.rid, None)
-        req.error = message
+        req.error, req.error_kind = message, kind
         self._finish(req, reason)
 
     def fail_running(self, message: str) -> None:
         """After an exception in a step: fail the running requests, keep serving the rest."""
         for req in list(self.running):
-            self.fail(req, message)
+            self.fail(req, message, kind="internal")
 
     # ------------------------------------------------------------------ stats, checks
     def stats(self) -> dict[str, float]:

@@ -20,7 +20,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.server import flowlang_api, openai_api, ops, sglang_api
-from runtime.server.errors import BodyTooLargeError, error_response, install_error_handlers
+from runtime.server.errors import (
+    BodyReadTimeoutError,
+    BodyTooLargeError,
+    error_response,
+    install_error_handlers,
+)
 from runtime.server.state import Server, ServerSettings
 
 __all__ = ["ServerSettings", "create_app", "serve"]
@@ -34,7 +39,11 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     app = FastAPI(title="flowlang", lifespan=_lifespan)
     app.state.server = server
     # the last added runs first: the guard, then the body limit right around the routes
-    app.add_middleware(BodyLimit, limit_bytes=server.settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimit,
+        limit_bytes=server.settings.max_body_bytes,
+        read_timeout_s=server.settings.body_read_timeout_s,
+    )
     app.add_middleware(Guard, server=server)
     install_error_handlers(app, server)
     for api in (ops, sglang_api, openai_api, flowlang_api):
@@ -111,22 +120,33 @@ class Guard:
 
 class BodyLimit:
     """ASGI middleware: a body read past `limit_bytes` fails with 413, whether or not it
-    declared a Content-Length (a chunked body is counted as it arrives)."""
+    declared a Content-Length (a chunked body is counted as it arrives), and a body whose next
+    part takes longer than `read_timeout_s` fails with 408 (a slow-loris client)."""
 
-    def __init__(self, app: ASGIApp, limit_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, limit_bytes: int, read_timeout_s: float) -> None:
         self.app = app
         self.limit_bytes = limit_bytes
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         num_bytes = 0
+        body_done = False
 
         async def limited() -> Message:
-            nonlocal num_bytes
-            message = await receive()
+            nonlocal num_bytes, body_done
+            if body_done:  # afterwards receive() waits for a disconnect: no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout_s)
+            except TimeoutError:
+                raise BodyReadTimeoutError(
+                    f"no part of the request body arrived for {self.read_timeout_s:g} s"
+                ) from None
             num_bytes += len(message.get("body", b""))
+            body_done = not message.get("more_body", False)
             if num_bytes > self.limit_bytes:
                 raise BodyTooLargeError(
                     f"request body exceeds the limit of {self.limit_bytes} bytes"

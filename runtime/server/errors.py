@@ -14,7 +14,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from runtime.errors import EngineClosedError, InvalidRequestError, RequestError, UnknownRequestError
+from runtime.errors import (
+    EngineBusyError,
+    EngineClosedError,
+    InvalidRequestError,
+    RequestError,
+    UnknownRequestError,
+)
 
 if TYPE_CHECKING:
     from runtime.server.state import Server
@@ -31,6 +37,22 @@ class BodyTooLargeError(HTTPException):
         return self.detail
 
 
+class TooManyRequestsError(Exception):
+    """An API key is over one of its limits (concurrent requests, pinned tokens)."""
+
+    retry_after_s = 1
+
+
+class BodyReadTimeoutError(HTTPException):
+    """The client sent its body too slowly (a slow-loris connection holds a worker)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(408, message)
+
+    def __str__(self) -> str:
+        return self.detail
+
+
 class ClientGone(Exception):
     """The client disconnected before its result was ready (the request was aborted)."""
 
@@ -39,19 +61,27 @@ class ClientGone(Exception):
 STATUS: dict[type[Exception], tuple[int, str | None]] = {
     InvalidRequestError: (400, None),
     UnknownRequestError: (404, None),
+    BodyReadTimeoutError: (408, None),
     BodyTooLargeError: (413, None),
+    TooManyRequestsError: (429, None),
     ClientGone: (499, "client closed the request"),
     RequestError: (500, None),
+    EngineBusyError: (503, None),
     EngineClosedError: (503, "the server is shutting down"),
 }
 
 
-def error_response(status: int, message: str, server: Server) -> JSONResponse:
-    """An error body with `status`, counted in the server's metrics."""
+def error_response(
+    status: int, message: str, server: Server, retry_after_s: int | None = None
+) -> JSONResponse:
+    """An error body with `status` (and a Retry-After hint), counted in the metrics."""
     server.http_errors[status] += 1
     kind = "invalid_request_error" if status < 500 else "server_error"
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
     return JSONResponse(
-        {"error": {"message": message, "type": kind, "code": status}}, status_code=status
+        {"error": {"message": message, "type": kind, "code": status}},
+        status_code=status,
+        headers=headers,
     )
 
 
@@ -74,7 +104,8 @@ def _handler(
     server: Server, status: int, message: str | None
 ) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:
     async def handle(request: Request, err: Exception) -> JSONResponse:
-        return error_response(status, message if message is not None else str(err), server)
+        text = message if message is not None else str(err)
+        return error_response(status, text, server, getattr(err, "retry_after_s", None))
 
     return handle
 

@@ -60,7 +60,7 @@ async def tokenize(body: TokenizeBody, server: ServerDep):
 async def generate(body: GenerateRequest, request: Request, server: ServerDep):
     """One request, streamed: {"delta": text} events, then {"result": GenerateResult}."""
     body = body.model_copy(update={"namespace": server.namespace(request, body.namespace)})
-    handles = await server.submit([body])
+    handles = await server.submit([body], server.tenant(request))
     return sse(server.engine, handles, _events(handles[0]))
 
 
@@ -83,6 +83,7 @@ async def score(body: ScoreRequest, request: Request, server: ServerDep):
 async def pin(body: PinBody, request: Request, server: ServerDep):
     """Pin a prefix in the cache under a lease the client must renew."""
     namespace = server.namespace(request, body.namespace)
+    server.leases.check_quota(server.tenant(request), len(body.prefix_ids))
     handle = await asyncio.to_thread(server.engine.pin, body.prefix_ids, namespace, body.hints)
     lease = server.leases.add(handle, server.tenant(request), body.lease_seconds)
     info: PinInfo = handle.info

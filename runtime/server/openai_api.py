@@ -10,7 +10,7 @@ from collections.abc import AsyncGenerator
 
 from fastapi import APIRouter, Request
 
-from runtime.errors import InvalidRequestError
+from runtime.errors import InvalidRequestError, error_of
 from runtime.handles import RequestHandle
 from runtime.intake import check_unicode
 from runtime.protocol import Constraint, GenerateRequest, GenerateResult
@@ -54,7 +54,7 @@ async def completions(body: CompletionBody, request: Request, server: ServerDep)
                     **({"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}),
                 )
             )
-    handles = await server.submit(requests)
+    handles = await server.submit(requests, server.tenant(request))
     created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
         chunks = _completion_stream(server, handles, cid, created)
@@ -96,7 +96,7 @@ async def chat(body: ChatBody, request: Request, server: ServerDep):
         )
         for i in range(body.n)
     ]
-    handles = await server.submit(requests)
+    handles = await server.submit(requests, server.tenant(request))
     created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
@@ -139,7 +139,7 @@ def _chat_prompt(server: Server, body: ChatBody) -> list[int]:
 def _checked(results: list[GenerateResult]) -> list[GenerateResult]:
     for result in results:
         if result.finish_reason == "error":
-            raise InvalidRequestError(result.error or "generation failed")
+            raise error_of(result)
     return results
 
 

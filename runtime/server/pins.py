@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from runtime.engine import Engine
 from runtime.errors import UnknownRequestError
 from runtime.handles import PinHandle
+from runtime.server.errors import TooManyRequestsError
 
 
 @dataclass
@@ -23,9 +24,15 @@ class Lease:
 class PinLeases:
     """The pins held over HTTP, by id; an id the caller does not hold is an UnknownRequestError."""
 
-    def __init__(self, engine: Engine, default_lease_seconds: float = 30.0) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        default_lease_seconds: float = 30.0,
+        max_tokens_per_owner: int | None = None,
+    ) -> None:
         self.engine = engine
         self.default_lease_seconds = default_lease_seconds
+        self.max_tokens_per_owner = max_tokens_per_owner  # None: no quota
         self._leases: dict[str, Lease] = {}
         self._lock = threading.Lock()
         self.num_expired = 0
@@ -36,6 +43,24 @@ class PinLeases:
         with self._lock:
             self._leases[handle.pin_id] = lease
         return lease
+
+    def check_quota(self, owner: str, num_tokens: int) -> None:
+        """Refuse (429) a pin that would take `owner` past its pinned-token quota: one tenant
+        must not hold the pool that every other tenant's requests need."""
+        quota = self.max_tokens_per_owner
+        if quota is None:
+            return
+        with self._lock:
+            held = sum(
+                lease.handle.info.num_tokens
+                for lease in self._leases.values()
+                if lease.owner == owner
+            )
+        if held + num_tokens > quota:
+            raise TooManyRequestsError(
+                f"pinning {num_tokens} more tokens would exceed this API key's quota of {quota} "
+                f"pinned tokens ({held} held); release a pin first"
+            )
 
     def renew(self, pin_id: str, owner: str) -> Lease:
         with self._lock:

@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from runtime.engine import Engine
-from runtime.errors import InvalidRequestError
+from runtime.errors import error_of
 from runtime.handles import RequestHandle
 from runtime.protocol import GenerateRequest, GenerateResult, GraphHints, StreamChunk
 from runtime.server import sglang_ops
@@ -42,7 +42,7 @@ async def generate(body: GenerateBody, request: Request, server: ServerDep):
     prompts = body.prompts()
     requests = [_request(server, request, body, p) for p in prompts]
     output = _Output(server.engine, body)
-    handles = await server.submit(requests)
+    handles = await server.submit(requests, server.tenant(request))
     if body.stream:
         return sse(server.engine, handles, _stream(output, handles, prompts))
     results = await server.wait(request, handles)
@@ -165,7 +165,7 @@ class _Output:
     def __call__(self, result: GenerateResult, p: Prompt) -> dict:
         """One request's output, finished or (streaming) so far."""
         if result.finish_reason == "error":
-            raise InvalidRequestError(result.error or "generation failed")
+            raise error_of(result)
         meta: dict[str, Any] = {
             "id": result.rid,
             "finish_reason": _finish_reason(result),

@@ -93,7 +93,7 @@ async def health_generate(request: Request, server: ServerDep) -> Response:
         input_ids=[0],
         sampling=SamplingParams(max_new_tokens=1, temperature=0),
     )
-    (handle,) = await server.submit([probe])
+    (handle,) = await server.submit([probe], server.tenant(request))
     try:
         (result,) = await asyncio.wait_for(server.wait(request, [handle]), HEALTH_TIMEOUT_S)
     except TimeoutError:

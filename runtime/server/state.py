@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -13,8 +14,10 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from runtime.engine import Engine
+from runtime.errors import InvalidRequestError
 from runtime.handles import RequestHandle
 from runtime.protocol import GenerateRequest, GenerateResult
+from runtime.server.errors import TooManyRequestsError
 from runtime.server.pins import PinLeases
 from runtime.server.streaming import abort_unfinished, wait_results
 
@@ -28,6 +31,9 @@ class ServerSettings:
     max_body_bytes: int = 8 << 20
     pin_lease_seconds: float = 30.0
     drain_timeout: float = 10.0
+    max_requests_per_key: int = 512  # in flight at once, per API key (429 beyond)
+    max_pinned_tokens_per_key: int | None = None  # default: half the KV pool (429 beyond)
+    body_read_timeout_s: float = 30.0  # a body that trickles in slower than this is a 408
 
 
 class Server:
@@ -36,7 +42,12 @@ class Server:
     def __init__(self, engine: Engine, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
-        self.leases = PinLeases(engine, settings.pin_lease_seconds)
+        pool = engine.stats()["kv_slots_total"]
+        self.leases = PinLeases(
+            engine, settings.pin_lease_seconds, settings.max_pinned_tokens_per_key or pool // 2
+        )
+        self.inflight: Counter[str] = Counter()  # requests in flight per tenant
+        self._inflight_lock = threading.Lock()
         self.http_requests: Counter[str] = Counter()
         self.http_errors: Counter[int] = Counter()
         self.started = time.time()
@@ -54,13 +65,38 @@ class Server:
         parts = [p for p in (tenant, requested) if p]
         return "/".join(parts) or None
 
-    async def submit(self, requests: list[GenerateRequest]) -> list[RequestHandle]:
-        """Submit all of `requests` (streaming to this event loop), or none of them.
+    async def submit(self, requests: list[GenerateRequest], tenant: str) -> list[RequestHandle]:
+        """Submit all of `requests` (streaming to this event loop), or none of them; a tenant
+        over its limit of requests in flight gets a TooManyRequestsError (429).
 
         Tokenizing and grammar compilation happen in a worker thread: a huge prompt or a
         pathological grammar never stalls the event loop (/health included)."""
+        self._reserve(tenant, len(requests))
         loop = asyncio.get_running_loop()
-        return await asyncio.to_thread(self._submit_all, requests, loop)
+        try:
+            handles = await asyncio.to_thread(self._submit_all, requests, loop)
+        except BaseException:
+            self._release(tenant, len(requests))
+            raise
+        for handle in handles:
+            handle.future.add_done_callback(lambda _: self._release(tenant, 1))
+        return handles
+
+    def _reserve(self, tenant: str, num_requests: int) -> None:
+        limit = self.settings.max_requests_per_key
+        if num_requests > limit:
+            raise InvalidRequestError(f"a batch of {num_requests} exceeds the limit of {limit}")
+        with self._inflight_lock:
+            if self.inflight[tenant] + num_requests > limit:
+                raise TooManyRequestsError(
+                    f"this API key has {self.inflight[tenant]} requests in flight "
+                    f"(limit {limit}); retry when some finish"
+                )
+            self.inflight[tenant] += num_requests
+
+    def _release(self, tenant: str, num_requests: int) -> None:
+        with self._inflight_lock:
+            self.inflight[tenant] -= num_requests
 
     def _submit_all(
         self, requests: list[GenerateRequest], loop: asyncio.AbstractEventLoop
