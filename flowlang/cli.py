@@ -1,4 +1,5 @@
-"""The `flowlang` command: `flowlang serve`, plus the subcommands installed packages register.
+"""The `flowlang` command: `flowlang serve`, `flowlang models`, plus the subcommands installed
+packages register.
 
 A package adds a subcommand through the entry-point group `flowlang.commands`: each entry
 point names a `register(commands)` that adds a parser to the argparse subparsers `commands` and
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve(commands)
+    add_models(commands)
     add_plugins(commands)
     args = parser.parse_args(argv)
     return args.handler(args)
@@ -100,6 +102,20 @@ def run_serve(args: argparse.Namespace) -> int:
             pin_lease_seconds=args.pin_lease_seconds,
         ),
     )
+    return 0
+
+
+def add_models(commands: Commands) -> None:
+    """`flowlang models`: supported architectures, registry names, how hub ids resolve."""
+    models = commands.add_parser("models", help="list supported architectures and the registry")
+    models.set_defaults(handler=run_models)
+
+
+def run_models(args: argparse.Namespace) -> int:
+    """Print the model table (runtime imported only now, and without torch)."""
+    from runtime.model.families import describe_models
+
+    print(describe_models())
     return 0
 
 

@@ -21,7 +21,10 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str = Field("smollm2-135m-instruct", description="registry name or local path")
+    model: str = Field(
+        "smollm2-135m-instruct",
+        description="registry name, local path, or Hugging Face hub id (org/name[@revision])",
+    )
     dtype: str = "float32"
     device: str = "cpu"
     page_size: int = Field(1, ge=1, le=256)

@@ -42,6 +42,63 @@ def tiny_hf_model(kind: str = "llama", seed: int = 0, **overrides):
             transformers.MistralForCausalLM,
             dict(sliding_window=24),
         ),
+        # 3 layers, head_dim 32 (q wider than hidden), window 24 on layers 1-2 only
+        "qwen3": (
+            transformers.Qwen3Config,
+            transformers.Qwen3ForCausalLM,
+            dict(
+                num_hidden_layers=3,
+                head_dim=32,
+                use_sliding_window=True,
+                sliding_window=24,
+                max_window_layers=1,
+            ),
+        ),
+        "phi3": (
+            transformers.Phi3Config,
+            transformers.Phi3ForCausalLM,
+            dict(num_hidden_layers=3, pad_token_id=0),
+        ),
+        "mixtral": (
+            transformers.MixtralConfig,
+            transformers.MixtralForCausalLM,
+            dict(
+                num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2, sliding_window=24
+            ),
+        ),
+        # dense layer 1 (mlp_only_layers), no top-k renormalization, q/k norm, head_dim 32
+        "qwen3-moe": (
+            transformers.Qwen3MoeConfig,
+            transformers.Qwen3MoeForCausalLM,
+            dict(
+                num_hidden_layers=3,
+                head_dim=32,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=48,
+                mlp_only_layers=[1],
+                norm_topk_prob=False,
+            ),
+        ),
+        # longrope (short factors, attention factor != 1) on half of each head, window 24
+        "phi3-longrope": (
+            transformers.Phi3Config,
+            transformers.Phi3ForCausalLM,
+            dict(
+                num_hidden_layers=3,
+                pad_token_id=0,
+                sliding_window=24,
+                original_max_position_embeddings=128,
+                rope_parameters=dict(
+                    rope_type="longrope",
+                    rope_theta=10000.0,
+                    partial_rotary_factor=0.5,
+                    short_factor=[1.0, 1.5, 2.0, 3.0],
+                    long_factor=[4.0, 5.0, 6.0, 8.0],
+                    original_max_position_embeddings=128,
+                ),
+            ),
+        ),
     }
     config_cls, model_cls, extra = configs[kind]
     torch.manual_seed(seed)

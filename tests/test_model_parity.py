@@ -1,4 +1,4 @@
-"""Our Llama-family forward vs transformers' on the same random weights (fp32, |diff| < 1e-4)."""
+"""Our decoder vs transformers' on the same random weights (fp32, |diff| < 1e-4), per family."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from runtime.model.arch import ModelArch
 from runtime.model.batch import ForwardBatch
 from runtime.model.runner import ModelRunner
 
-FAMILIES = ["llama", "llama3", "qwen2", "mistral"]
+FAMILIES = ["llama", "llama3", "qwen2", "mistral", "qwen3", "phi3", "phi3-longrope"]
+FAMILIES += ["mixtral", "qwen3-moe"]
 BACKENDS = ["torch", "cpu"]  # the reference, and the native paged decode kernel
 TOL = 1e-4
 

@@ -7,11 +7,15 @@ from typing import Any
 
 import torch
 
+from runtime.model.families import FAMILIES
 from runtime.prefix import kv_bytes_per_token
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-# RoPE variants whose frequencies do not depend on the current sequence length
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+# RoPE variants whose frequencies do not depend on the current sequence length; "longrope"
+# (Phi-3) is static up to original_max_position_embeddings, so the context is capped there
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# Families whose attention RMS-normalizes each query and key head before RoPE
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
 class UnsupportedModelError(ValueError):
@@ -20,7 +24,7 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class ModelArch:
-    """Shapes and numerics of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2)."""
+    """Shapes and numerics of a Llama-shaped decoder (Llama, SmolLM2, Mistral, Qwen2/3, Phi-3)."""
 
     model_type: str
     num_layers: int
@@ -34,6 +38,11 @@ class ModelArch:
     max_context_len: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    moe_layers: tuple[bool, ...]  # per layer: top-k experts instead of the dense MLP
+    num_experts: int  # 0 for dense models
+    num_experts_per_tok: int
+    norm_topk_prob: bool  # renormalize the top-k router weights (Mixtral always)
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
     eos_token_ids: tuple[int, ...]
     hf_config: Any  # the transformers config it came from (RoPE parameters live there)
@@ -44,9 +53,11 @@ class ModelArch:
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
-                f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
+                f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES} "
+                f"(`flowlang models` describes them)"
             )
-        rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", "default")
         if rope_type not in STATIC_ROPE_TYPES:
             raise UnsupportedModelError(
                 f"rope_type {rope_type!r} is not supported; supported: {STATIC_ROPE_TYPES}"
@@ -65,9 +76,14 @@ class ModelArch:
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
             vocab_size=config.vocab_size,
             rms_norm_eps=config.rms_norm_eps,
-            max_context_len=config.max_position_embeddings,
+            max_context_len=_max_context_len(config, rope),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            qk_norm=model_type in QK_NORM_MODEL_TYPES,
+            moe_layers=_moe_layers(config, num_layers),
+            num_experts=_num_experts(config),
+            num_experts_per_tok=getattr(config, "num_experts_per_tok", 0) or 0,
+            norm_topk_prob=bool(getattr(config, "norm_topk_prob", model_type == "mixtral")),
             sliding_windows=_sliding_windows(config, num_layers),
             eos_token_ids=eos_ids,
             hf_config=config,
@@ -78,17 +94,45 @@ class ModelArch:
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, str(dtype))
 
     def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
-        """Inverse frequencies (head_dim // 2,) and cos/sin scale, as transformers makes them."""
+        """Inverse frequencies (rotary_dim // 2,) and cos/sin scale, as transformers makes them.
+
+        rotary_dim is head_dim times `partial_rotary_factor` (Phi-3.5/4-mini rotate part of each
+        head); longrope returns its short-context factors (the context is capped to match).
+        """
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         params = getattr(self.hf_config, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
             base = params.get("rope_theta", getattr(self.hf_config, "rope_theta", 10000.0))
-            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim
+            rotary_dim = int(self.head_dim * params.get("partial_rotary_factor", 1.0))
+            exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim
             return 1.0 / (base**exponents), 1.0
         inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, torch.device("cpu"))
         return inv_freq.float(), float(scale)
+
+
+def _num_experts(config: Any) -> int:
+    return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0) or 0
+
+
+def _moe_layers(config: Any, num_layers: int) -> tuple[bool, ...]:
+    """Mixtral: every layer; Qwen3-MoE: every decoder_sparse_step-th, minus mlp_only_layers."""
+    if _num_experts(config) == 0:
+        return (False,) * num_layers
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+
+
+def _max_context_len(config: Any, rope: dict) -> int:
+    """max_position_embeddings, or for longrope the pretraining length its short factors fit."""
+    if rope.get("rope_type") == "longrope":
+        original = rope.get("original_max_position_embeddings") or getattr(
+            config, "original_max_position_embeddings", None
+        )
+        return int(original or config.max_position_embeddings)
+    return config.max_position_embeddings
 
 
 def _sliding_windows(config: Any, num_layers: int) -> tuple[int | None, ...]:

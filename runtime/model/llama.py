@@ -1,8 +1,11 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a ragged ForwardBatch.
+"""Llama-shaped decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Phi-3) over a ragged ForwardBatch.
 
 Our own forward: RMSNorm, RoPE at explicit positions, GQA attention through a pluggable backend,
-gated SiLU MLP. Q/K/V and gate/up projections are fused into one matmul each. Numerics follow
-transformers' implementation (norms in fp32, cos/sin from fp32 frequencies).
+gated SiLU MLP or top-k experts (runtime/model/moe.py). Q/K/V and gate/up projections are fused
+into one matmul each (Phi-3 checkpoints arrive fused; the others are concatenated at load).
+Per-family pieces are switches on ModelArch: q/k bias (Qwen2), per-head q/k RMSNorm (Qwen3),
+partial rotary (Phi-3.5/4-mini), experts (Mixtral, Qwen3-MoE). Numerics follow transformers'
+implementation (norms in fp32, cos/sin from fp32 frequencies).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from runtime.model.arch import ModelArch
 from runtime.model.attention.base import AttentionBackend
 from runtime.model.batch import ForwardBatch
 from runtime.model.linear import Linear, packed_gemm_available
+from runtime.model.moe import load_feed_forward
 
 
 class MissingWeightError(KeyError):
@@ -47,32 +51,35 @@ class LlamaModel:
         self.lm_head = Linear(lm_head, None, pack)
         self.final_norm = get("model.norm.weight")
         self.layers = []
+
+        def fused(prefix: str, fused_name: str, parts: tuple[str, ...]) -> torch.Tensor:
+            """One fused tensor: stored as such (Phi-3), or the parts concatenated on dim 0."""
+            if prefix + fused_name in weights:
+                return get(prefix + fused_name)
+            return torch.cat([get(prefix + part) for part in parts])
+
+        names = set(weights)
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
             attn = p + "self_attn."
+            qkv_names = tuple(f"{x}_proj.weight" for x in "qkv")
             qkv_bias = None
             if arch.qkv_bias:
-                qkv_bias = torch.cat([get(attn + f"{x}_proj.bias") for x in "qkv"])
-            self.layers.append(
-                {
-                    "input_norm": get(p + "input_layernorm.weight"),
-                    "post_norm": get(p + "post_attention_layernorm.weight"),
-                    # (num_heads*head_dim + 2*num_kv_heads*head_dim, hidden)
-                    "qkv": Linear(
-                        torch.cat([get(attn + f"{x}_proj.weight") for x in "qkv"]), qkv_bias, pack
-                    ),
-                    "o": Linear(get(attn + "o_proj.weight"), None, pack),
-                    # (2*intermediate, hidden)
-                    "gate_up": Linear(
-                        torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-                        None,
-                        pack,
-                    ),
-                    "down": Linear(get(p + "mlp.down_proj.weight"), None, pack),
-                }
-            )
+                qkv_bias = fused(attn, "qkv_proj.bias", tuple(f"{x}_proj.bias" for x in "qkv"))
+            layer = {
+                "input_norm": get(p + "input_layernorm.weight"),
+                "post_norm": get(p + "post_attention_layernorm.weight"),
+                # (num_heads*head_dim + 2*num_kv_heads*head_dim, hidden)
+                "qkv": Linear(fused(attn, "qkv_proj.weight", qkv_names), qkv_bias, pack),
+                "o": Linear(get(attn + "o_proj.weight"), None, pack),
+                "mlp": load_feed_forward(arch, i, get, names, pack),  # dense or experts
+            }
+            if arch.qk_norm:
+                layer["q_norm"] = get(attn + "q_norm.weight")  # (head_dim,)
+                layer["k_norm"] = get(attn + "k_norm.weight")
+            self.layers.append(layer)
         self._inv_freq, self._rope_scale = arch.rope_inv_freq()
-        self._cos = self._sin = torch.empty(0, arch.head_dim)
+        self._cos = self._sin = torch.empty(0, 2 * self._inv_freq.numel())
         self._ensure_rope(min(arch.max_context_len, 4096))
 
     @property
@@ -93,7 +100,7 @@ class LlamaModel:
         input_ids = batch.input_ids.to(self.device)
         positions = batch.positions.to(self.device)
         self._ensure_rope(int(positions.max()) + 1)
-        cos = self._cos[positions][:, None, :]  # (num_tokens, 1, head_dim)
+        cos = self._cos[positions][:, None, :]  # (num_tokens, 1, rotary_dim)
         sin = self._sin[positions][:, None, :]
         q_size = arch.num_heads * arch.head_dim
         kv_size = arch.num_kv_heads * arch.head_dim
@@ -102,13 +109,16 @@ class LlamaModel:
             x = _rms_norm(hidden, layer["input_norm"], arch.rms_norm_eps)
             qkv = layer["qkv"](x)  # (num_tokens, q + 2 kv)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = _rope(q.view(-1, arch.num_heads, arch.head_dim), cos, sin)
-            k = _rope(k.view(-1, arch.num_kv_heads, arch.head_dim), cos, sin)
+            q = q.view(-1, arch.num_heads, arch.head_dim)  # (num_tokens, num_heads, head_dim)
+            k = k.view(-1, arch.num_kv_heads, arch.head_dim)
             v = v.view(-1, arch.num_kv_heads, arch.head_dim)
+            if arch.qk_norm:
+                q = _rms_norm(q, layer["q_norm"], arch.rms_norm_eps)
+                k = _rms_norm(k, layer["k_norm"], arch.rms_norm_eps)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             hidden = hidden + layer["o"](attn.forward(i, q, k, v))
             x = _rms_norm(hidden, layer["post_norm"], arch.rms_norm_eps)
-            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-            hidden = hidden + layer["down"](F.silu(gate) * up)
+            hidden = hidden + layer["mlp"](x)
         if batch.logit_rows.numel() == 0:
             return torch.empty(0, self.arch.vocab_size)
         last = _rms_norm(
@@ -117,7 +127,7 @@ class LlamaModel:
         return self.lm_head(last).float()
 
     def _ensure_rope(self, num_positions: int) -> None:
-        """cos/sin tables (num_positions, head_dim), grown by doubling, as in transformers."""
+        """cos/sin tables (num_positions, rotary_dim), grown by doubling, as in transformers."""
         if num_positions <= self._cos.shape[0]:
             return
         size = max(num_positions, 2 * self._cos.shape[0])
@@ -135,7 +145,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (num_tokens, heads, head_dim) rotated by position (rotate-half layout)."""
-    half = x.shape[-1] // 2
+    """x (num_tokens, heads, head_dim) rotated by position (rotate-half layout) on its first
+    rotary_dim = cos.shape[-1] features; the rest pass through (partial rotary)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat([_rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
+    half = rotary_dim // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

