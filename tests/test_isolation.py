@@ -107,8 +107,16 @@ def test_an_endless_required_schema_is_refused_quickly(tiny_model_dir):
     )
     with engine(tiny_model_dir) as eng:
         started = time.monotonic()
-        with pytest.raises(InvalidRequestError, match="admits no finite value"):
+        with pytest.raises(InvalidRequestError, match="json_schema can never end"):
             eng.submit(request)
+        branch = {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/node"}], "$defs": {"node": node}}
+        node["properties"]["child"]["$ref"] = "#/$defs/node"
+        for endless in (
+            Constraint(json_schema=branch),  # the endless branch can still be entered
+            Constraint(grammar='root ::= "x" loop\nloop ::= "y" loop'),
+        ):
+            with pytest.raises(InvalidRequestError, match="can never end"):
+                eng.submit(request.model_copy(update={"constraint": endless}))
         assert time.monotonic() - started < 30
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from runtime.model.grammar_check import GrammarSyntaxUnknown, endless_rules
 from runtime.protocol import Constraint
 
 
@@ -80,6 +81,7 @@ class GrammarCache:
         except (RuntimeError, ValueError, TypeError) as err:
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
             raise InvalidConstraintError(f"invalid {kind}: {first_line}") from err
+        _refuse_endless(compiled, kind)
         with self._lock:
             self._compiled[key] = compiled
             self.compile_seconds[key] = time.perf_counter() - started
@@ -89,12 +91,6 @@ class GrammarCache:
         if constraint.regex is not None:
             return self.compiler.compile_regex(constraint.regex)
         if constraint.json_schema is not None:
-            if not has_finite_instance(constraint.json_schema):
-                # xgrammar would try to force an endless value (and run out of memory)
-                raise ValueError(
-                    "the JSON schema admits no finite value: a required property (or a "
-                    "non-empty array) refers back to a schema that contains it"
-                )
             return self.compiler.compile_json_schema(
                 json.dumps(constraint.json_schema), any_whitespace=False, separators=(",", ":")
             )
@@ -107,55 +103,19 @@ class GrammarCache:
         return ConstraintState(self, self._xgr.GrammarMatcher(self.compile(constraint)))
 
 
-def has_finite_instance(schema: Any, budget: int = 10_000) -> bool:
-    """Whether some finite JSON value satisfies `schema` (local $refs followed).
-
-    A $ref reached again on the way down through required properties, non-empty arrays or
-    allOf parts can only be satisfied by an endless value; anyOf/oneOf need one finite
-    alternative. Keywords this does not model count as satisfiable, and so does a schema too
-    large to check within `budget` steps (xgrammar still validates it).
-    """
-    steps = [budget]
-
-    def finite(node: Any, visiting: frozenset[str]) -> bool:
-        steps[0] -= 1
-        if steps[0] < 0:
-            return True
-        if node is False:
-            return False
-        if not isinstance(node, dict):
-            return True
-        ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#"):
-            if ref in visiting:
-                return False
-            target = _resolve_pointer(schema, ref)
-            if target is not None and not finite(target, visiting | {ref}):
-                return False
-        for key in ("anyOf", "oneOf"):
-            if key in node and not any(finite(n, visiting) for n in node[key]):
-                return False
-        if not all(finite(n, visiting) for n in node.get("allOf", ())):
-            return False
-        properties = node.get("properties", {})
-        for name in node.get("required", ()):
-            if name in properties and not finite(properties[name], visiting):
-                return False
-        if node.get("minItems", 0) > 0 and not finite(node.get("items", True), visiting):
-            return False
-        return True
-
-    return finite(schema, frozenset())
-
-
-def _resolve_pointer(schema: Any, ref: str) -> Any:
-    node = schema
-    for part in ref.removeprefix("#").strip("/").split("/") if ref != "#" else ():
-        part = part.replace("~1", "/").replace("~0", "~")
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
+def _refuse_endless(compiled: Any, kind: str) -> None:
+    """A grammar with a rule that can never end makes jump-forward force an endless string
+    (xgrammar then runs out of memory); such a constraint has no valid finite output anyway."""
+    try:
+        endless = endless_rules(str(compiled.grammar))
+    except GrammarSyntaxUnknown:
+        return  # a form this reader does not know: xgrammar alone decides
+    if endless:
+        names = ", ".join(endless[:5]) + (", ..." if len(endless) > 5 else "")
+        raise InvalidConstraintError(
+            f"the {kind} can never end: no finite text satisfies rule(s) {names} (a required "
+            "property or element that contains itself?)"
+        )
 
 
 class ConstraintState:
