@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from runtime.config import EngineConfig
-from runtime.errors import EngineClosedError, InvalidRequestError, RequestError
+from runtime.errors import EngineClosedError, InvalidRequestError, error_for_kind
 from runtime.handles import PinHandle, RequestHandle
 from runtime.intake import RequestIntake
 from runtime.loop import EngineLoop, log_failure
@@ -284,7 +284,7 @@ class Engine:
         finished = [f.result() for f in futures]
         for req in finished:
             if req.error:
-                raise RequestError(req.error)
+                raise error_for_kind(req.error_kind, req.error)
         return finished
 
     def _run_in_loop(self, fn: Callable[[], Any]) -> None:

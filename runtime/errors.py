@@ -37,9 +37,13 @@ class EngineBusyError(RuntimeError):
 
 def error_of(result: GenerateResult) -> Exception:
     """The domain error a failed result stands for (finish_reason "error")."""
-    message = result.error or "generation failed"
-    if result.error_kind == "busy":
+    return error_for_kind(result.error_kind, result.error or "generation failed")
+
+
+def error_for_kind(kind: str | None, message: str) -> Exception:
+    """The domain error for a request that failed with `kind` ("invalid", "busy", ...)."""
+    if kind == "busy":
         return EngineBusyError(message)
-    if result.error_kind == "internal":
+    if kind == "internal":
         return RequestError(message)
     return InvalidRequestError(message)

@@ -91,6 +91,11 @@ class GenerationState:
             self._add_text(self._detok.step(token_id))
             if self.finished:
                 return
+        if self.constraint is not None and self.constraint.is_terminated:
+            # the grammar admits nothing more: its end is the output's end, whatever
+            # ignore_eos or min_new_tokens asked for
+            self.finish("stop", matched=token_id)
+            return
         if len(self.output_ids) >= params.max_new_tokens:
             self.finish("length")
 

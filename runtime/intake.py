@@ -7,6 +7,7 @@ problem, before the loop thread ever sees it.
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from typing import Any
@@ -185,6 +186,7 @@ class RequestIntake:
         """Compile the request's constraint now, so a bad one fails at submit."""
         if request.constraint is None:
             return None
+        check_unicode(json.dumps(request.constraint.model_dump(), ensure_ascii=False))
         from runtime.model.constrained import InvalidConstraintError
 
         try:

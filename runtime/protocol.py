@@ -36,7 +36,9 @@ class SamplingParams(_Frozen):
     repetition_penalty: float = Field(1.0, gt=0.0, description="HF-style, over prompt + output")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI-style, output only")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI-style, output only")
-    seed: int | None = Field(None, description="per-request seed: same seed, same samples")
+    seed: int | None = Field(
+        None, ge=-(2**63), lt=2**64, description="per-request seed: same seed, same samples"
+    )
     stop: list[str] = Field(
         default_factory=list, max_length=64, description="stop strings, cut from the text"
     )

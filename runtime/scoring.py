@@ -18,6 +18,12 @@ from runtime.intake import RequestIntake
 from runtime.protocol import GraphHints, PinInfo, ScoreRequest, ScoreResult
 from runtime.scheduler.request import Req
 
+# Each shared trie node costs a pin (one engine round trip): sharing pays for the short common
+# heads of select choices; past these bounds each continuation computes its own rows instead
+# (its prefix still comes from the cache), so hostile continuations cannot pile up pins.
+MAX_SHARED_DEPTH = 8
+MAX_SHARED_PINS = 32
+
 Context = tuple[int, ...]  # a continuation's tokens before the one being scored
 PinFn = Callable[[list[int], str | None, GraphHints, bool], tuple[PinInfo, torch.Tensor | None]]
 
@@ -81,7 +87,8 @@ class ContinuationScorer:
                 shares[tuple(cont[:m])] = shares.get(tuple(cont[:m]), 0) + 1
                 if m < len(cont):
                     rows_needed.add(tuple(cont[:m]))
-        return sorted((n for n in rows_needed if shares[n] >= 2), key=len)
+        shared = [n for n in rows_needed if shares[n] >= 2 and len(n) <= MAX_SHARED_DEPTH]
+        return sorted(shared, key=len)[:MAX_SHARED_PINS]
 
     def _tail_reqs(
         self,

@@ -59,7 +59,7 @@ class GrammarCache:
         self.compile_seconds: dict[str, float] = {}
 
     def compile(self, constraint: Constraint) -> Any:
-        key = constraint.model_dump_json()
+        key = json.dumps(constraint.model_dump(), sort_keys=True)  # ASCII: lone surrogates too
         with self._lock:
             if key in self._compiled:
                 return self._compiled[key]

@@ -283,9 +283,13 @@ class Scheduler:
             if out.errors[i] is not None:
                 self.fail(req, out.errors[i])
                 continue
-            req.gen.append(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
-            if self.config.enable_jump_forward:
-                self.counters["jump_forward_tokens"] += req.gen.jump_forward()
+            try:
+                req.gen.append(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
+                if self.config.enable_jump_forward:
+                    self.counters["jump_forward_tokens"] += req.gen.jump_forward()
+            except Exception as err:  # noqa: BLE001 - this request's own failure, not the step's
+                self.fail(req, f"output processing failed: {err}", kind="internal")
+                continue
             _notify(req.on_delta, req)
             if req.gen.finished:
                 self._finish(req, req.gen.finish_reason)

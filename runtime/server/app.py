@@ -21,6 +21,7 @@ from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.server import flowlang_api, openai_api, ops, sglang_api
 from runtime.server.errors import (
+    AsciiJSONResponse,
     BodyReadTimeoutError,
     BodyTooLargeError,
     error_response,
@@ -36,7 +37,7 @@ ADMIN_PATHS = frozenset({"/flush_cache", "/start_profile", "/stop_profile"})
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
     """The app serving `engine`: every API, API keys, the body size limit, error mapping."""
     server = Server(engine, settings or ServerSettings())
-    app = FastAPI(title="flowlang", lifespan=_lifespan)
+    app = FastAPI(title="flowlang", lifespan=_lifespan, default_response_class=AsciiJSONResponse)
     app.state.server = server
     # the last added runs first: the guard, then the body limit right around the routes
     app.add_middleware(

@@ -6,8 +6,9 @@ Every error body is {"error": {"message", "type", "code"}}, the shape OpenAI's c
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,6 +36,14 @@ class BodyTooLargeError(HTTPException):
 
     def __str__(self) -> str:
         return self.detail
+
+
+class AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: text a client sent (a lone surrogate in an id, say) can be
+    echoed back without failing to encode the response."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 class TooManyRequestsError(Exception):
@@ -78,7 +87,7 @@ def error_response(
     server.http_errors[status] += 1
     kind = "invalid_request_error" if status < 500 else "server_error"
     headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
-    return JSONResponse(
+    return AsciiJSONResponse(
         {"error": {"message": message, "type": kind, "code": status}},
         status_code=status,
         headers=headers,
