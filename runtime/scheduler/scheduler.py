@@ -134,7 +134,7 @@ class Scheduler:
                     break
                 entries.append(_prefill_entry(req, num_new))
                 budget -= num_new
-            if budget > 0 and self.waiting and self._has_room_to_run():
+            if budget > 0 and self.waiting and len(self.running) < self.config.max_running_requests:
                 entries += self._admit(budget)
             if entries or not self.running:
                 return entries
@@ -151,14 +151,11 @@ class Scheduler:
             if req.deadline is not None and req.deadline < now:
                 self.fail(req, "the request's timeout passed before it finished", "abort")
 
-    def _has_room_to_run(self) -> bool:
-        return len(self.running) < self.config.max_running_requests
-
     def _admit(self, budget: int) -> list[BatchEntry]:
         entries: list[BatchEntry] = []
         available = self.kv.available_slots(sum(map(self._reserved_slots, self.running)))
         for req in self.policy.order(list(self.waiting.values())):
-            if budget <= 0 or not self._has_room_to_run():
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
             position = self.policy.match(req)  # reused: admission never matches again
             if self.kv.shares_inflight(req, position.prefix_len, self.running):
@@ -178,7 +175,10 @@ class Scheduler:
                 self._complete(req)
                 continue
             if not self.kv.grow(req, req.num_computed + num_new):
-                self._requeue(req)  # eviction could not produce the slots: try next step
+                # eviction could not produce the slots: back to waiting, try next step
+                self.counters["cached_tokens"] -= req.num_locked
+                self.kv.release(req, insert=False, step=self.counters["steps"])
+                self.add(req)
                 break
             self.running.append(req)
             entries.append(_prefill_entry(req, num_new))
@@ -193,11 +193,6 @@ class Scheduler:
         if req.cached_tokens is None:
             req.cached_tokens = cached
         self.counters["cached_tokens"] += cached
-
-    def _requeue(self, req: Req) -> None:
-        self.counters["cached_tokens"] -= req.num_locked
-        self.kv.release(req, insert=False, step=self.counters["steps"])
-        self.add(req)
 
     def _queued_positions(self):
         """Waiting requests' current matches in admission order (graph eviction's future)."""
