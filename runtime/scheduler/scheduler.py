@@ -18,6 +18,7 @@ back to the front of the queue, and on resumption reuse whatever survived evicti
 
 from __future__ import annotations
 
+import heapq
 import math
 import sys
 import time
@@ -74,11 +75,14 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.counters: Counter[str] = Counter()
         self._admit_seq = 0
+        self._deadlines: list[tuple[float, int, Req]] = []  # heap: soonest first
 
     # ------------------------------------------------------------------ intake
     def add(self, req: Req) -> None:
         req.status = ReqStatus.WAITING
         self.waiting[req.rid] = req
+        if req.deadline is not None:  # a retracted request comes back: a second entry is inert
+            heapq.heappush(self._deadlines, (req.deadline, req.arrival, req))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -89,12 +93,11 @@ class Scheduler:
         if req is not None:
             self._finish(req, "abort")
             return True
-        if rid in self.pins:
-            pin = self.pins.pop(rid)
+        pin = self.pins.pop(rid, None)
+        if pin is not None:
             self.kv.release(pin, insert=False, step=self.counters["steps"])
             pin.status = ReqStatus.FINISHED
-            return True
-        return False
+        return pin is not None
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> ScheduledBatch | None:
@@ -145,10 +148,11 @@ class Scheduler:
                 self.retract(max(self.running, key=lambda r: r.admit_seq))
 
     def _abort_expired(self) -> None:
-        """Abort requests whose deadline (GenerateRequest.timeout_s) has passed."""
+        """Abort requests past their deadline (timeout_s); with none due, one comparison."""
         now = time.monotonic()
-        for req in [*self.waiting.values(), *self.running]:
-            if req.deadline is not None and req.deadline < now:
+        while self._deadlines and self._deadlines[0][0] < now:
+            req = heapq.heappop(self._deadlines)[2]
+            if req.status in (ReqStatus.WAITING, ReqStatus.RUNNING):
                 self.fail(req, "the request's timeout passed before it finished", "abort")
 
     def _admit(self, budget: int) -> list[BatchEntry]:
@@ -190,8 +194,7 @@ class Scheduler:
         self._admit_seq += 1
         req.admit_seq = self._admit_seq
         cached = self.kv.take_prefix(req, position)
-        if req.cached_tokens is None:
-            req.cached_tokens = cached
+        req.cached_tokens = cached if req.cached_tokens is None else req.cached_tokens  # first
         self.counters["cached_tokens"] += cached
 
     def _queued_positions(self):
@@ -267,9 +270,8 @@ class Scheduler:
                 self._complete(req)
         if to_sample:
             self._sample(to_sample, logits)
-        self.new_token_ratio = max(
-            MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
-        )
+        ratio = self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, ratio)
 
     def _sample(self, to_sample: list[tuple[Req, int]], logits: torch.Tensor) -> None:
         reqs = [r for r, _ in to_sample]
