@@ -164,11 +164,11 @@ def test_paged_kernel_matches_reference_with_window_and_bf16():
                 )[0].transpose(0, 1)
             )
         expected = torch.cat(expected)
-        got = kernels.paged_attention(
+        got, _ = kernels.paged_attention(
             q, k_pool, v_pool, slots, kv_indptr, qo_indptr, 16**-0.5, window
         )
         assert close(got, expected) < 1e-5
-        got16 = kernels.paged_attention(
+        got16, _ = kernels.paged_attention(
             q.bfloat16(),
             k_pool.bfloat16(),
             v_pool.bfloat16(),

@@ -15,7 +15,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("flowlang", "runtime", "programs")
 
 
-DOCUMENTED = {"_exit", "_asdict", "_replace", "_fields"}  # os._exit, namedtuple's public API
+# os._exit, namedtuple's public API; torch's CPU flash attention op, the only CPU attention
+# that returns the log-sum-exp (cascade attention merges partial results by it)
+DOCUMENTED = {
+    "_exit",
+    "_asdict",
+    "_replace",
+    "_fields",
+    "_scaled_dot_product_flash_attention_for_cpu",
+}
 
 
 def _private(name: str) -> bool:

@@ -17,19 +17,13 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from conversations import Conversation, next_prompt
 
 from programs import multi_turn_chat, support_agent
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.prefix import prefill_lower_bound, union_prefix_tokens
 from runtime.protocol import GenerateRequest, SamplingParams
-
-
-@dataclass
-class Conversation:
-    system: str
-    user_messages: list[str]
-    reply_tokens: int
 
 
 @dataclass
@@ -54,32 +48,6 @@ def w6_conversations(tokenizer, num_convs: int) -> list[Conversation]:
         Conversation(inputs.system_prompt, list(msgs), inputs.reply_tokens)
         for msgs in inputs.conversations[:num_convs]
     ]
-
-
-def next_prompt(
-    tokenizer,
-    conv: Conversation,
-    turn: int,
-    prev_prompt: list[int] | None,
-    prev_output: list[int] | None,
-) -> list[int]:
-    """Turn 0 from the chat template; later turns extend the previous ids exactly."""
-    if turn == 0:
-        return list(
-            tokenizer.apply_chat_template(
-                [
-                    {"role": "system", "content": conv.system},
-                    {"role": "user", "content": conv.user_messages[0]},
-                ],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            )["input_ids"]
-        )
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    reply = prev_output if prev_output and prev_output[-1] == end else [*prev_output, end]
-    joiner = f"\n<|im_start|>user\n{conv.user_messages[turn]}<|im_end|>\n<|im_start|>assistant\n"
-    return [*prev_prompt, *reply, *tokenizer.encode(joiner, add_special_tokens=False)]
 
 
 def run_engine(config: EngineConfig, convs: list[Conversation]) -> RunRecord:

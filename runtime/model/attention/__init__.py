@@ -53,7 +53,7 @@ def make_attention_backend(
     if name == "cpu":
         if pool.device.type != "cpu":
             raise ValueError("the 'cpu' attention backend needs the pool on the CPU")
-        from runtime.model.attention.torch_backend import CpuPagedAttention
+        from runtime.model.attention.cpu_backend import CpuPagedAttention
 
         return CpuPagedAttention(pool, sliding_windows)
     if name == "torch":

@@ -8,6 +8,7 @@ milliseconds. A build failure raises with the compiler's message.
 from __future__ import annotations
 
 import functools
+import hashlib
 import sys
 import time
 from pathlib import Path
@@ -28,9 +29,12 @@ def load_cpu_kernels() -> Any:
     from torch.utils.cpp_extension import load
 
     started = time.perf_counter()
+    # named by the source's hash: processes built from different sources (a checkout of an
+    # older commit) never load or overwrite each other's builds in torch's extension cache
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
     try:
         load(
-            name="flowlang_cpu_attention",
+            name=f"flowlang_cpu_attention_{digest}",
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],

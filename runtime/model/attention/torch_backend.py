@@ -16,6 +16,30 @@ from runtime.model.attention.base import AttentionBackend
 from runtime.model.batch import ForwardBatch
 
 
+@dataclass(frozen=True)
+class SeqSpan:
+    """One sequence of a batch: its token rows and its full slot list."""
+
+    row_start: int
+    num_new: int
+    seq_len: int
+    slots: torch.Tensor  # (seq_len,) cached prefix + new tokens
+
+    @property
+    def prefix_len(self) -> int:
+        return self.seq_len - self.num_new
+
+
+def sequences_of(batch: ForwardBatch) -> list[SeqSpan]:
+    spans, row = [], 0
+    for num_new, seq_len, slots in zip(
+        batch.extend_lens, batch.seq_lens, batch.kv_slots, strict=True
+    ):
+        spans.append(SeqSpan(row, num_new, seq_len, slots))
+        row += num_new
+    return spans
+
+
 @dataclass
 class _Extend:
     row_start: int
@@ -33,14 +57,6 @@ class _PaddedDecodes:
     ragged: bool  # lengths differ: padding must be masked
 
 
-@dataclass
-class _PagedDecodes:
-    rows: torch.Tensor  # (num_decodes,) token rows
-    slots: torch.Tensor  # (sum of seq_lens,) every decode's slot list, concatenated
-    indptr: torch.Tensor  # (num_seqs + 1,) offsets into slots
-    qo_indptr: torch.Tensor  # (num_seqs + 1,) offsets into the group's query rows
-
-
 class TorchAttention(AttentionBackend):
     name = "torch"
 
@@ -54,23 +70,27 @@ class TorchAttention(AttentionBackend):
     def plan(self, batch: ForwardBatch) -> None:
         self._out_slots = batch.out_slots.to(self.pool.device)
         self._num_tokens = batch.num_tokens
+        self._mask_cache: dict[tuple[int, int | None], torch.Tensor | None] = {}
+        self.plan_sequences(sequences_of(batch))
+
+    def plan_sequences(self, seqs: list[SeqSpan]) -> None:
+        """Attention plans for `seqs` (all of the batch, or the part a subclass leaves here)."""
         self._extends: list[_Extend] = []
         decode_rows, decode_slots, decode_lens = [], [], []
-        row = 0
-        for ext_len, seq_len, slots in zip(
-            batch.extend_lens, batch.seq_lens, batch.kv_slots, strict=True
-        ):
-            if self._in_decode_group(ext_len, seq_len):
-                decode_rows.extend(range(row, row + ext_len))
-                decode_slots.append(slots)
-                decode_lens.append(ext_len)
+        for seq in seqs:
+            if self._in_decode_group(seq.num_new, seq.seq_len):
+                decode_rows.extend(range(seq.row_start, seq.row_start + seq.num_new))
+                decode_slots.append(seq.slots)
+                decode_lens.append(seq.num_new)
             else:
-                self._extends.append(_Extend(row, ext_len, seq_len - ext_len, slots))
-            row += ext_len
-        self._decode = (
+                self._extends.append(
+                    _Extend(seq.row_start, seq.num_new, seq.seq_len - seq.num_new, seq.slots)
+                )
+        self.decode_group = (
             self._plan_decodes(decode_rows, decode_slots, decode_lens) if decode_rows else None
         )
-        self._mask_cache: dict[tuple[int, int | None], torch.Tensor | None] = {}
+        # one kernel call answers every row: no scatter into a fresh output
+        self._decodes_cover_all = not self._extends and len(decode_rows) == self._num_tokens
 
     def _in_decode_group(self, ext_len: int, seq_len: int) -> bool:
         """Sequences attended together by `_attend_decodes` (here: single-token decodes)."""
@@ -96,26 +116,40 @@ class TorchAttention(AttentionBackend):
         self.pool.write(layer, self._out_slots, k, v)
         window = self.sliding_windows[layer]
         num_heads, head_dim = q.shape[1], q.shape[2]
-        if self._decode is not None and not self._extends:
+        if self.decode_group is not None and self._decodes_cover_all:
             return self._attend_decodes(layer, q, window).reshape(-1, num_heads * head_dim)
         out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
-        if self._decode is not None:
-            out[self._decode.rows] = self._attend_decodes(layer, q[self._decode.rows], window)
+        self.attend_into(layer, q, k, v, window, out)
+        return out.reshape(self._num_tokens, num_heads * head_dim)
+
+    def attend_into(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None,
+        out: torch.Tensor,
+    ) -> None:
+        """Attention for the planned decode group and extends, written into their rows of out."""
+        if self.decode_group is not None:
+            out[self.decode_group.rows] = self._attend_decodes(
+                layer, q[self.decode_group.rows], window
+            )
         for i, ext in enumerate(self._extends):
             rows = slice(ext.row_start, ext.row_start + ext.num_new)
             if ext.prefix_len == 0:
                 k_seq, v_seq = k[rows], v[rows]  # nothing cached: attend to the new rows directly
             else:
-                k_seq, v_seq = self._gather(layer, ext.slots)
+                k_seq, v_seq = self.gather_kv(layer, ext.slots)
             mask = self._extend_mask(i, ext, window)
             out[rows] = _sdpa(q[rows], k_seq, v_seq, mask, causal=mask is None)
-        return out.reshape(self._num_tokens, num_heads * head_dim)
 
     def _attend_decodes(self, layer: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
         """q (num_decodes, num_heads, head_dim) -> same shape; one padded SDPA call."""
-        group = self._decode
+        group = self.decode_group
         # (num_decodes, max_len, num_kv_heads, head_dim)
-        k, v = self._gather(layer, group.flat_slots)
+        k, v = self.gather_kv(layer, group.flat_slots)
         k = k.view(*group.slots.shape, *k.shape[1:])
         v = v.view(*group.slots.shape, *v.shape[1:])
         mask = self._decode_mask(window)
@@ -124,7 +158,7 @@ class TorchAttention(AttentionBackend):
         )  # (num_decodes, num_heads, 1, head_dim)
         return out.squeeze(2)
 
-    def _gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V rows at `slots` -> two (len(slots), num_kv_heads, head_dim) views.
 
         They land in a persistent workspace: fresh multi-MB outputs every layer would be
@@ -143,7 +177,7 @@ class TorchAttention(AttentionBackend):
     def _decode_mask(self, window: int | None) -> torch.Tensor | None:
         key = (-1, window)
         if key not in self._mask_cache:
-            group = self._decode
+            group = self.decode_group
             max_len = group.slots.shape[1]
             k_pos = torch.arange(max_len, device=group.slots.device)[None, :]
             q_pos = (group.seq_lens - 1)[:, None]
@@ -172,50 +206,6 @@ class TorchAttention(AttentionBackend):
                     mask &= k_pos > q_pos - window
             self._mask_cache[key] = mask
         return self._mask_cache[key]
-
-
-class CpuPagedAttention(TorchAttention):
-    """The torch backend with decodes and short extends done by a native kernel.
-
-    Decode attention is memory-bound; the reference path copies every sequence's K/V out of
-    the pool (index_select) and reads it again in SDPA. The kernel reads each row once, in
-    place, with prefetch for scattered slots (about 3x less time per layer at batch 32), and
-    handles a few new tokens per sequence too (jump-forward, scoring tails) in the same call.
-    Long extends (prefill chunks) stay with SDPA, which is compute-efficient there.
-    """
-
-    name = "cpu"
-    max_kernel_extend = 32
-
-    def __init__(self, pool, sliding_windows) -> None:
-        super().__init__(pool, sliding_windows)
-        from runtime.model.attention.cpu_kernels import load_cpu_kernels
-
-        self._kernels = load_cpu_kernels()
-
-    def _in_decode_group(self, ext_len: int, seq_len: int) -> bool:
-        return ext_len <= self.max_kernel_extend
-
-    def _plan_decodes(
-        self, rows: list[int], slots: list[torch.Tensor], extend_lens: list[int]
-    ) -> _PagedDecodes:
-        kv_indptr = torch.zeros(len(slots) + 1, dtype=torch.int64)
-        torch.cumsum(torch.tensor([s.numel() for s in slots]), 0, out=kv_indptr[1:])
-        qo_indptr = torch.zeros(len(slots) + 1, dtype=torch.int64)
-        torch.cumsum(torch.tensor(extend_lens), 0, out=qo_indptr[1:])
-        return _PagedDecodes(torch.tensor(rows), torch.cat(slots), kv_indptr, qo_indptr)
-
-    def _attend_decodes(self, layer: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
-        return self._kernels.paged_attention(
-            q.contiguous(),
-            self.pool.k[layer],
-            self.pool.v[layer],
-            self._decode.slots,
-            self._decode.indptr,
-            self._decode.qo_indptr,
-            q.shape[-1] ** -0.5,
-            window or 0,
-        )
 
 
 def _sdpa(

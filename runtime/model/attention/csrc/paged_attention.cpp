@@ -1,5 +1,7 @@
 // Paged attention on CPU for decodes and short extends: K/V read in place from the
-// slot-indexed pool (no gather copy). Parallel over sequences; fp32 accumulation.
+// slot-indexed pool (no gather copy). Parallel over sequences; fp32 accumulation. Also
+// returns each (row, head)'s log-sum-exp of scaled scores, so that a caller can merge this
+// result with attention over other keys (a shared prefix attended once for many sequences).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -31,6 +33,7 @@ void attention_kernel(
     const int64_t* kv_indptr,   // (B + 1,) offsets into slots
     const int64_t* qo_indptr,   // (B + 1,) offsets into q rows
     scalar_t* out,              // (T, H, D)
+    float* lse,                 // (T, H): log-sum-exp of the scaled scores
     int64_t B, int64_t H, int64_t KVH, int64_t D, float scale, int64_t window) {
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;  // one slot's K (or V) for all kv heads: contiguous
@@ -79,6 +82,7 @@ void attention_kernel(
         }
         const float inv = 1.f / sum;
         for (int64_t j = 0; j < span; ++j) sh[j] *= inv;
+        lse[qo_indptr[b] * H + rh] = m + std::log(sum);
       }
       // pass 2: weighted sums of V rows
       for (int64_t j = lo; j < L; ++j) {
@@ -103,7 +107,7 @@ void attention_kernel(
 
 }  // namespace
 
-torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
+std::tuple<torch::Tensor, torch::Tensor> paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
                               const torch::Tensor& v_pool, const torch::Tensor& slots,
                               const torch::Tensor& kv_indptr, const torch::Tensor& qo_indptr,
                               double scale, int64_t window) {
@@ -117,21 +121,22 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_poo
   TORCH_CHECK(H % KVH == 0 && k_pool.size(2) == D, "head shapes disagree");
   TORCH_CHECK(qo_indptr.numel() == B + 1, "qo_indptr and kv_indptr disagree");
   auto out = torch::empty_like(q);
+  auto lse = torch::empty({q.size(0), H}, q.options().dtype(torch::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention",
                                   [&] {
     attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(),
                                v_pool.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
                                kv_indptr.data_ptr<int64_t>(), qo_indptr.data_ptr<int64_t>(),
-                               out.data_ptr<scalar_t>(), B, H, KVH, D,
+                               out.data_ptr<scalar_t>(), lse.data_ptr<float>(), B, H, KVH, D,
                                static_cast<float>(scale), window);
   });
-  return out;
+  return {out, lse};
 }
 
 // A registered op (torch.ops.flowlang.paged_attention): visible to the profiler, no pybind.
 TORCH_LIBRARY(flowlang, m) {
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, "
-        "Tensor kv_indptr, Tensor qo_indptr, float scale, int window) -> Tensor");
+        "Tensor kv_indptr, Tensor qo_indptr, float scale, int window) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(flowlang, CPU, m) { m.impl("paged_attention", &paged_attention); }

