@@ -30,6 +30,7 @@ from flowlang.selection import score_choices
 from runtime.protocol import GenerateRequest, GraphHints, SamplingParams
 
 _END = object()
+_REQUEST_NODES = (Gen, Select, Fork)  # nodes that send the engine a request on this sequence
 
 
 @dataclass
@@ -62,6 +63,7 @@ class StreamExecutor:
         self._events: dict[str, threading.Event] = defaultdict(threading.Event)
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0
+        self._num_queued_requests = 0  # gen/select/fork nodes submitted and not yet run
         self._idle = threading.Condition()
         self._started = threading.Event()
         self._thread = threading.Thread(
@@ -90,6 +92,7 @@ class StreamExecutor:
                 self.declared |= branch.declared
         with self._idle:
             self._pending += 1
+            self._num_queued_requests += isinstance(node, _REQUEST_NODES)
         self._queue.put(node)
 
     def fork(self, num_branches: int) -> tuple[str, list[StreamExecutor]]:
@@ -182,6 +185,7 @@ class StreamExecutor:
             finally:
                 with self._idle:
                     self._pending -= 1
+                    self._num_queued_requests -= isinstance(node, _REQUEST_NODES)
                     self._idle.notify_all()
         self.feed.close()
 
@@ -209,7 +213,9 @@ class StreamExecutor:
             fork_group_id=group_id,
             fork_group_size=group_size,
             priority=self.ctx.priority,
-            continuation=not self._queue.empty(),
+            # another request of this state is queued behind the running one: it will extend
+            # this sequence (trailing text such as a role's end is no request: no continuation)
+            continuation=self._num_queued_requests > 1,
         )
 
     def _params(self, node: Gen) -> SamplingParams:

@@ -210,6 +210,7 @@ EXPECTED_ORDER = {
     "slru": "BCA",  # B is probationary (1 hit); C and A are protected, LRU among them
     "priority": "CBA",
     "graph": "BCA",  # no known future uses: plain LRU
+    "oracle": "BCA",  # no recording loaded: every next use is "never", LRU among them
 }
 
 

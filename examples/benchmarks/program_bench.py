@@ -1,7 +1,8 @@
 """flowlang programs (W1-W4, W6) on the default model vs the same prompts as independent
 requests vs transformers, and graph-aware eviction vs LRU vs the offline optimum.
 
-    python examples/benchmarks/program_bench.py [--skip-hf] [--skip-eviction]
+    python examples/benchmarks/program_bench.py [--skip-hf] [--skip-eviction] [--skip-programs]
+        [--eviction-only W1|W6] [--arrivals rounds,interleaved] [--think-jitter 0.5]
 
 Part 1, per workload, one run each, greedy, fp32:
   flowlang      run_batch on the engine: graph hints, fork pins, batch pins, trie scoring;
@@ -10,9 +11,10 @@ Part 1, per workload, one run each, greedy, fp32:
                 request k of every instance submitted together (the same dependencies);
   transformers  the same generation prompts one by one with `generate`, choices scored by a
                 forward pass each.
-Part 2: W1 with a KV pool of 25% of its working set: token hit rate under "graph" and "lru"
-eviction in the engine, and the recorded trace replayed under LRU and under the offline optimum
-(farthest next use, Belady).
+Part 2 (issue 13): W1 and W6 through programs in two arrival orders (rounds; interleaved with
+think time: arrivals.py), KV pools at 25% and 50% of the working set: prefill computed and token
+hit rate under lru, slru, lfu, graph and the oracle (farthest recorded next use, oracle.py), on a
+tiny random-weight model with the real tokenizer unless --eviction-model says otherwise.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ import argparse
 import time
 from collections import defaultdict
 
+import eviction_cells
 import torch
 
 from flowlang.backends.local import LocalBackend
 from programs import fewshot_choice, judge, multi_turn_chat, support_agent, tree_of_thought
-from runtime.cache.replay import replay, working_set
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.protocol import GenerateRequest, SamplingParams
@@ -176,47 +178,58 @@ def part1(skip_hf: bool, scale: dict[str, int]) -> None:
             )
 
 
-def part2(num_users: int) -> None:
-    with Engine(EngineConfig(model=MODEL, max_kv_tokens=1024)) as probe:
-        inputs = support_agent.make_inputs(probe.tokenizer, "bench")
-    inputs = type(inputs)(inputs.system_prompt, inputs.fewshot, inputs.users[:num_users])
-    batch = support_agent.batch_args(inputs)
-    with Engine(EngineConfig(model=MODEL, max_kv_tokens=100_000, record_trace=True)) as engine:
-        support_agent.support_agent.run_batch(batch, backend=LocalBackend(engine), progress=False)
-        full = working_set(engine.cache_trace())
-    capacity = full // 4
+EVICTION_POLICIES = ("lru", "slru", "lfu", "graph", "oracle")
+
+
+def part2(
+    num_w1_users: int,
+    num_w6_convs: int,
+    model: str,
+    only: str | None,
+    think_jitter: float,
+    orders: list[str],
+) -> None:
+    """Prefill computed and token hit rate per policy, for W1 and W6, pools at 25% and 50% of
+    the working set, in rounds and interleaved (eviction_cells.py); the oracle is driven by
+    the trace of the same cell's lru run."""
+    tokenizer = eviction_cells.load_bench_tokenizer()
     print(
-        f"\nW1 {num_users} users x 3 turns; working set {full:,} tokens; KV pool {capacity:,} "
-        f"slots (25%)\n"
+        f"\nmodel {model}; replies of fixed length (ignore_eos, greedy); interleaved think "
+        f"time 1 +- {think_jitter} cycles; one run per cell\n"
     )
-    print("| eviction | where | token hit rate | prefill computed | evicted | wall s |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
-    traces = {}
-    for policy in ("lru", "graph"):
-        config = EngineConfig(
-            model=MODEL, max_kv_tokens=capacity, eviction_policy=policy, record_trace=True
-        )
-        with Engine(config) as engine:
-            start = time.perf_counter()
-            states = support_agent.support_agent.run_batch(
-                batch, backend=LocalBackend(engine), progress=False
+    header = " | ".join(f"{p} computed / hit" for p in EVICTION_POLICIES)
+    print(f"| workload | arrivals | pool | {header} | graph vs oracle |")
+    print("| --- | --- | --- |" + " ---: |" * (len(EVICTION_POLICIES) + 1))
+    for workload in eviction_cells.workloads(tokenizer, num_w1_users, num_w6_convs):
+        if only is not None and not workload.name.startswith(only):
+            continue
+        for order in orders:
+            unbounded, full = eviction_cells.unbounded_run(
+                workload, order, model, tokenizer, think_jitter
             )
-            wall = time.perf_counter() - start
-            assert all(hasattr(s, "text") for s in states), states
-            stats = engine.stats()
-            traces[policy] = engine.cache_trace()
-        print(
-            f"| {policy} | engine | {stats['cache_hit_rate']:.1%} | "
-            f"{stats['prefill_tokens_total']:,} | {stats['evicted_tokens_total']:,} | "
-            f"{wall:.1f} |"
-        )
-    for policy in ("lru", "belady"):
-        result = replay(traces["lru"], capacity, policy)
-        label = "offline optimum (farthest next use)" if policy == "belady" else policy
-        print(
-            f"| {label} | replay of the lru run's trace | {result.hit_rate:.1%} | "
-            f"{result.computed_tokens:,} | {result.evicted_tokens:,} | - |"
-        )
+            for share in (0.25, 0.5):
+                capacity = int(full * share)
+                cells: dict[str, eviction_cells.CellResult] = {}
+                for policy in EVICTION_POLICIES:
+                    future = cells["lru"].trace if policy == "oracle" else None
+                    cell = eviction_cells.run_cell(
+                        workload, order, model, tokenizer, capacity, policy, future, think_jitter
+                    )
+                    assert cell.token_ids == unbounded.token_ids, f"{policy} changed outputs"
+                    cells[policy] = cell
+                graph, oracle = cells["graph"], cells["oracle"]
+                gap = (
+                    f"{graph.prefill_computed / oracle.prefill_computed - 1:+.1%} computed, "
+                    f"{100 * (graph.hit_rate - oracle.hit_rate):+.2f} pt"
+                )
+                row = " | ".join(
+                    f"{c.prefill_computed:,} / {c.hit_rate:.1%}" for c in cells.values()
+                )
+                print(
+                    f"| {workload.name} | {order} | {share:.0%} of {full:,} = {capacity:,} | "
+                    f"{row} | {gap} |",
+                    flush=True,
+                )
 
 
 def main() -> None:
@@ -224,7 +237,14 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-eviction", action="store_true")
     parser.add_argument("--skip-programs", action="store_true")
-    parser.add_argument("--eviction-users", type=int, default=32)
+    parser.add_argument("--eviction-w1", type=int, default=64, help="W1 users (3 turns)")
+    parser.add_argument("--eviction-w6", type=int, default=32, help="W6 conversations")
+    parser.add_argument("--eviction-model", default=eviction_cells.TINY_MODEL)
+    parser.add_argument("--eviction-only", choices=("W1", "W6"), help="one workload's rows")
+    parser.add_argument("--arrivals", default="rounds,interleaved", help="orders, comma separated")
+    parser.add_argument(
+        "--think-jitter", type=float, default=eviction_cells.THINK_JITTER, help="0: predictable"
+    )
     parser.add_argument("--w1", type=int, default=8)
     parser.add_argument("--w2", type=int, default=16)
     parser.add_argument("--w3", type=int, default=2)
@@ -237,7 +257,14 @@ def main() -> None:
             {"W1": args.w1, "W2": args.w2, "W3": args.w3, "W4": args.w4, "W6": args.w6},
         )
     if not args.skip_eviction:
-        part2(args.eviction_users)
+        part2(
+            args.eviction_w1,
+            args.eviction_w6,
+            args.eviction_model,
+            args.eviction_only,
+            args.think_jitter,
+            args.arrivals.split(","),
+        )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -101,6 +103,22 @@ class GraphPolicy(EvictionPolicy):
         return (0, node.last_access_time) if future is None else future
 
 
+class OraclePolicy(EvictionPolicy):
+    """Benchmarks only: the offline optimum for leaf-first eviction (Belady), the farthest next
+    use first, never-again first of all. `next_use(node)` comes from a recording of the same
+    work (oracle.py: `OracleMarks`, or the trace replay); without one every node is "never"
+    and this is LRU."""
+
+    name = "oracle"
+
+    def __init__(self, next_use: Callable[[TreeNode], float] | None = None) -> None:
+        self.next_use = next_use
+
+    def priority(self, node: TreeNode) -> Any:
+        next_use = self.next_use(node) if self.next_use is not None else math.inf
+        return (-next_use, node.last_access_time)
+
+
 EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls
     for cls in (
@@ -112,6 +130,7 @@ EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
         PriorityPolicy,
         SLRUPolicy,
         GraphPolicy,
+        OraclePolicy,
     )
 }
 

@@ -9,7 +9,7 @@ leaf it will extend with its next turn. `GraphMarks` writes that knowledge onto 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import NamedTuple
 
 from runtime.cache.radix import RadixCache, TreeNode, TreePosition
@@ -29,49 +29,6 @@ CONTINUATION = 1  # a paused program branch will extend this path (after everyth
 QUEUED_READ = 2  # a waiting request reads this path
 
 
-class GraphMarks:
-    """Keeps `node.future` current for the "graph" eviction policy.
-
-    `future_base` is what a node falls back to when queued-read marks are refreshed: its
-    continuation mark, if a branch paused there and no request has read it since.
-    """
-
-    def __init__(self, cache: RadixCache) -> None:
-        self.cache = cache
-        self._queued: list[TreeNode] = []  # nodes carrying last pass's queued-read marks
-
-    def mark_queued_reads(self, positions: Callable[[], Iterable[TreePosition]]) -> None:
-        """Mark each waiting request's matched path, `positions()` in admission order: a node
-        gets the rank of the earliest reader, so a path is not evicted bottom-up into "no
-        reader" the moment its leaf goes."""
-        for node in self._queued:  # the last pass's marks are stale now
-            node.future = node.future_base
-            self.cache.reprioritize(node)
-        self._queued = []
-        for rank, position in enumerate(positions()):
-            mark = NextUse(QUEUED_READ, -rank)
-            node = position.node
-            while node.parent is not None and not node.evicted:
-                if node.future is not None and node.future >= mark:
-                    break  # an earlier reader marked this node and its ancestors already
-                node.future = mark
-                self._queued.append(node)
-                self.cache.reprioritize(node)
-                node = node.parent
-
-    def mark_continuation(self, position: TreePosition, step: int) -> None:
-        """A branch paused at `position` and its program will extend it soon."""
-        mark = NextUse(CONTINUATION, -step)
-        node = self.cache.resolve(position)
-        while node.parent is not None and (node.future is None or node.future.kind == CONTINUATION):
-            node.future_base = node.future = mark
-            node = node.parent
-
-    def mark_read(self, position: TreePosition) -> None:
-        """A request locked this path: it is no longer a pending continuation."""
-        self.cache.resolve(position).future_base = None
-
-
 class NoMarks:
     """The marks interface for policies that do not look ahead."""
 
@@ -83,3 +40,75 @@ class NoMarks:
 
     def mark_read(self, position: TreePosition) -> None:
         pass
+
+    def mark_access(self, namespace: Hashable, ids: Sequence[int], match_limit: int) -> None:
+        pass  # only a recorded future (oracle.py) needs every admission
+
+
+class GraphMarks(NoMarks):
+    """Keeps `node.future` current for the "graph" eviction policy.
+
+    Two kinds of readers are known, and a node ranks by its soonest one:
+    - queued reads: each waiting request's matched path, by admission order (the scheduling
+      policy's order, fork groups kept together), refreshed before each eviction;
+    - continuations: a program branch that finished a request and has more work (its next
+      turn) will extend that path; the earlier it paused, the sooner it is expected back, so
+      in the cyclic case (more conversations than fit) the latest paused go first and a stable
+      subset stays. A continuation mark lasts until a request reads the path again: a
+      conversation whose last turn was admitted has no future left and goes first.
+    `future_base` is what a node falls back to when queued-read marks are refreshed.
+    Pinned prefixes (fork and run_batch shared prefixes) are locked and never candidates.
+    """
+
+    def __init__(self, cache: RadixCache) -> None:
+        self.cache = cache
+        self._queued: list[TreeNode] = []  # nodes carrying last pass's queued-read marks
+
+    def mark_queued_reads(self, positions: Callable[[], Iterable[TreePosition]]) -> None:
+        """Mark each waiting request's matched path, `positions()` in admission order: a node
+        gets the rank of the earliest reader, so a path is not evicted bottom-up into "no
+        reader" the moment its leaf goes. Walks the waiting paths (each shared node once),
+        never the whole tree, and re-ranks only the nodes whose mark changed."""
+        marks: dict[int, tuple[TreeNode, NextUse]] = {}
+        for rank, position in enumerate(positions()):
+            mark = NextUse(QUEUED_READ, -rank)
+            node = position.node
+            while node.parent is not None and not node.evicted and id(node) not in marks:
+                marks[id(node)] = (node, mark)  # an earlier reader marked what is above
+                node = node.parent
+        for node in self._queued:  # last pass's readers that are gone: back to the base
+            if id(node) not in marks:
+                self._set(node, node.future_base)
+        for node, mark in marks.values():
+            self._set(node, mark)
+        self._queued = [node for node, _ in marks.values()]
+
+    def _set(self, node: TreeNode, future: NextUse | None) -> None:
+        if node.future != future:
+            node.future = future
+            self.cache.reprioritize(node)
+
+    def mark_continuation(self, position: TreePosition, step: int) -> None:
+        """A branch paused at `position` at scheduler step `step`; it will extend the path. A
+        shared node keeps the soonest continuation through it."""
+        mark = NextUse(CONTINUATION, -step)
+        node = self.cache.resolve(position)
+        while node.parent is not None:
+            base = node.future_base
+            if base is None or (base.kind == CONTINUATION and base < mark):
+                node.future_base = mark
+                if node.future is None or node.future.kind == CONTINUATION:
+                    node.future = mark
+                    self.cache.reprioritize(node)
+            node = node.parent
+
+    def mark_read(self, position: TreePosition) -> None:
+        """A request locked this path: its continuation marks are used up (a next pause marks
+        it again)."""
+        node = self.cache.resolve(position)
+        while node.parent is not None:
+            if node.future_base is not None:
+                node.future_base = None
+                if node.future is not None and node.future.kind == CONTINUATION:
+                    node.future = None
+            node = node.parent

@@ -31,6 +31,7 @@ import torch
 from runtime.cache.allocator import SlotAllocator
 from runtime.cache.base import NullCache, PrefixCache
 from runtime.cache.graph_marks import GraphMarks, NoMarks
+from runtime.cache.oracle import OracleMarks
 from runtime.cache.radix import RadixCache, TreePosition
 from runtime.config import EngineConfig
 from runtime.scheduler.request import Req
@@ -51,11 +52,11 @@ class KVManager:
         self.cache: PrefixCache
         if config.disable_radix_cache:
             self.cache = NullCache(self.allocator)
-            self.marks: GraphMarks | NoMarks = NoMarks()
+            self.marks: NoMarks = NoMarks()
         else:
             self.cache = RadixCache(self.allocator, self.page_size, config.eviction_policy)
-            graph = config.eviction_policy == "graph"
-            self.marks = GraphMarks(self.cache) if graph else NoMarks()
+            marks = {"graph": GraphMarks, "oracle": OracleMarks}.get(config.eviction_policy)
+            self.marks = marks(self.cache) if marks else NoMarks()
         self._queued_positions = queued_positions  # waiting requests' matches, admission order
         self.trace: list[tuple] | None = [] if config.record_trace else None
 
@@ -94,6 +95,7 @@ class KVManager:
             req.lock_pos = position
             req.slots = self.cache.slot_indices(position).clone()
         req.num_computed = req.num_locked = cached
+        self.marks.mark_access(req.namespace, req.all_ids, req.match_limit)
         if self.trace is not None:
             self.trace.append(("access", req.namespace, tuple(req.all_ids), req.match_limit))
         return cached
