@@ -35,6 +35,10 @@ class EngineBusyError(RuntimeError):
     retry_after_s = 5
 
 
+class RequestTimeoutError(RequestError):
+    """The request ran past its deadline (`timeout_s`) and was stopped."""
+
+
 def error_of(result: GenerateResult) -> Exception:
     """The domain error a failed result stands for (finish_reason "error")."""
     return error_for_kind(result.error_kind, result.error or "generation failed")
@@ -46,4 +50,6 @@ def error_for_kind(kind: str | None, message: str) -> Exception:
         return EngineBusyError(message)
     if kind == "internal":
         return RequestError(message)
+    if kind == "timeout":
+        return RequestTimeoutError(message)
     return InvalidRequestError(message)

@@ -186,10 +186,11 @@ class RequestIntake:
         """Compile the request's constraint now, so a bad one fails at submit."""
         if request.constraint is None:
             return None
-        check_unicode(json.dumps(request.constraint.model_dump(), ensure_ascii=False))
-        from runtime.model.constrained import InvalidConstraintError
+        from runtime.model.constrained import InvalidConstraintError, check_nesting
 
         try:
+            check_nesting(request.constraint)
+            check_unicode(json.dumps(request.constraint.model_dump(), ensure_ascii=False))
             return self.grammars.new_state(request.constraint)
         except InvalidConstraintError as err:
             raise InvalidRequestError(str(err)) from err

@@ -199,8 +199,10 @@ class GenerateResult(_Frozen):
     )
     prompt_ids: list[int] | None = Field(None, description="with prompt_logprobs: their tokens")
     error: str | None = None
-    error_kind: Literal["invalid", "busy", "internal"] | None = Field(
-        None, description="whose fault an error is: the request's, momentary load, or ours"
+    error_kind: Literal["invalid", "busy", "internal", "timeout"] | None = Field(
+        None,
+        description="whose fault an error is: the request's, momentary load, ours, or its "
+        "deadline (timeout_s) passing (finish_reason abort)",
     )
 
 

@@ -8,6 +8,7 @@ logprobs from where it diverges.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable
 
@@ -28,25 +29,70 @@ Context = tuple[int, ...]  # a continuation's tokens before the one being scored
 PinFn = Callable[[list[int], str | None, GraphHints, bool], tuple[PinInfo, torch.Tensor | None]]
 
 
+class ScoreCancelled(Exception):
+    """The score was cancelled (its client went away) before it finished."""
+
+
+class Cancellation:
+    """Stops a score from another thread: the requests it has in flight are aborted at once,
+    and it raises ScoreCancelled at its next step (a pin being prefilled finishes first: the
+    engine names a pin only once it is made)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._inflight: list[str] = []
+        self._abort: Callable[[str], None] | None = None
+
+    def cancel(self) -> None:
+        """Cancel the score (from any thread)."""
+        with self._lock:
+            self._cancelled = True
+            rids, abort = self._inflight, self._abort
+        for rid in rids:
+            abort(rid)
+
+    def check(self) -> None:
+        """Raise ScoreCancelled if the score was cancelled."""
+        if self._cancelled:
+            raise ScoreCancelled("the score was cancelled")
+
+    def run(
+        self, run: Callable[[list[Req]], None], abort: Callable[[str], None], reqs: list[Req]
+    ) -> None:
+        """`run(reqs)`, aborting them if the score is cancelled meanwhile."""
+        with self._lock:
+            self.check()
+            self._inflight, self._abort = [r.rid for r in reqs], abort
+        try:
+            run(reqs)
+        finally:
+            with self._lock:
+                self._inflight = []
+        self.check()  # aborted requests finish without rows: never read them
+
+
 class ContinuationScorer:
-    """Scores one ScoreRequest at a time over an engine's pin/run/unpin operations."""
+    """Scores one ScoreRequest at a time over an engine's pin/run/abort operations."""
 
     def __init__(
         self,
         intake: RequestIntake,
         pin: PinFn,
-        unpin: Callable[[str], None],
+        abort: Callable[[str], None],
         run: Callable[[list[Req]], None],
         share_prefixes: bool,
     ) -> None:
         self.intake = intake
         self._pin = pin  # prefill + lock ids, keeping the last row: (info, row)
-        self._unpin = unpin
+        self._abort = abort  # release a pin or stop a request, by id (the scheduler does both)
         self._run = run  # add requests and wait until every one finished (raises on error)
         self.share_prefixes = share_prefixes  # False without a prefix cache: pins hold nothing
 
-    def score(self, request: ScoreRequest) -> ScoreResult:
-        """Per-token logprobs of each continuation after the prefix."""
+    def score(self, request: ScoreRequest, cancel: Cancellation | None = None) -> ScoreResult:
+        """Per-token logprobs of each continuation after the prefix; `cancel` may stop it
+        (ScoreCancelled) from another thread."""
+        cancel = cancel or Cancellation()
         prefix_ids = self.intake.tokens(request.prefix, special=True)
         conts = [self.intake.tokens(c, special=False) for c in request.continuations]
         if any(not c for c in conts):
@@ -58,20 +104,21 @@ class ContinuationScorer:
         pin_ids: list[str] = []
         try:
             for context in self._shared_contexts(conts):  # shortest first: one new token each
+                cancel.check()
                 info, rows[context] = self._pin(
                     prefix_ids + list(context), request.namespace, request.hints, True
                 )
                 pin_ids.append(info.pin_id)
             reqs = self._tail_reqs(request, prefix_ids, conts, rows)
             if reqs:
-                self._run(list(reqs.values()))
+                cancel.run(self._run, self._abort, list(reqs.values()))
             token_logprobs = [
                 [_token_logprob(rows, reqs.get(i), prefix_ids, cont, j) for j in range(len(cont))]
                 for i, cont in enumerate(conts)
             ]
         finally:
             for pin_id in pin_ids:
-                self._unpin(pin_id)
+                self._abort(pin_id)
         return ScoreResult(
             prefix_ids=prefix_ids, continuation_ids=conts, token_logprobs=token_logprobs
         )
@@ -83,11 +130,14 @@ class ContinuationScorer:
         shares: dict[Context, int] = {}
         rows_needed: set[Context] = set()
         for cont in conts:
-            for m in range(len(cont) + 1):
-                shares[tuple(cont[:m])] = shares.get(tuple(cont[:m]), 0) + 1
+            # only nodes up to MAX_SHARED_DEPTH can be shared: walking whole continuations
+            # would cost their length squared (long hostile continuations: minutes, gigabytes)
+            for m in range(min(len(cont), MAX_SHARED_DEPTH) + 1):
+                node = tuple(cont[:m])
+                shares[node] = shares.get(node, 0) + 1
                 if m < len(cont):
-                    rows_needed.add(tuple(cont[:m]))
-        shared = [n for n in rows_needed if shares[n] >= 2 and len(n) <= MAX_SHARED_DEPTH]
+                    rows_needed.add(node)
+        shared = [n for n in rows_needed if shares[n] >= 2]
         return sorted(shared, key=len)[:MAX_SHARED_PINS]
 
     def _tail_reqs(

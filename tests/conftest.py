@@ -155,6 +155,7 @@ class ServerThread:
         import uvicorn
 
         from runtime.server.app import ServerSettings, create_app
+        from runtime.server.listen import uvicorn_config
 
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
@@ -163,7 +164,8 @@ class ServerThread:
         self.app = create_app(engine, ServerSettings(port=port, **settings))
         self.url = f"http://127.0.0.1:{port}"
         app = wrap(self.app) if wrap is not None else self.app
-        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        # as `flowlang serve` runs it: the same protocol (request-head deadline)
+        config = uvicorn_config(app, self.app.state.server.settings, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -5,6 +5,7 @@ aborts its work, and /health tells the truth about the engine."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -153,6 +154,7 @@ def limited(tiny_model_dir):
         max_requests_per_key=2,
         max_pinned_tokens_per_key=300,
         body_read_timeout_s=1.0,
+        head_timeout_s=1.0,
     )
     yield server
     server.stop()
@@ -232,6 +234,23 @@ def test_a_body_that_trickles_in_gets_408(limited):
         assert response.status_code == 408, response.text
 
 
+def test_a_body_that_dribbles_in_gets_408_at_its_deadline(limited):
+    def dribble():
+        yield b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}'
+        for _ in range(30):  # a byte every 0.2 s: each part in time, the whole body not
+            time.sleep(0.2)
+            yield b" "
+        yield b"}"
+
+    with httpx.Client(base_url=limited.url, timeout=30) as client:
+        headers = {**auth("a-key"), "content-type": "application/json"}
+        started = time.monotonic()
+        response = client.post("/generate", content=dribble(), headers=headers)
+        assert response.status_code == 408, response.text
+        assert "did not arrive within 1 s" in response.text
+        assert time.monotonic() - started < 4
+
+
 def test_an_oversized_constraint_is_refused_at_once(limited):
     regex = "(" + "|".join(f"w{i:06d}" for i in range(20_000)) + ")"  # ~160 kB
     with httpx.Client(base_url=limited.url, timeout=30) as client:
@@ -243,3 +262,55 @@ def test_an_oversized_constraint_is_refused_at_once(limited):
         )
         assert response.status_code == 400 and "the limit is 65,536" in response.text
         assert time.monotonic() - started < 10
+
+
+def dribble_headers(url: str, stop: threading.Event) -> tuple[bytes, float]:
+    """Send a request head a byte every 0.1 s; what the server answered, and when it closed."""
+    host, port = url.removeprefix("http://").split(":")
+    head = b"POST /generate HTTP/1.1\r\nhost: x\r\n" + b"x-slow: " + b"a" * 200
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        started = time.monotonic()
+        sock.settimeout(0.1)
+        answer = b""
+        for byte in head:
+            if stop.is_set():
+                break
+            try:
+                sock.send(bytes([byte]))
+                chunk = sock.recv(4096)
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if not chunk:  # closed by the server
+                break
+            answer += chunk
+        return answer, time.monotonic() - started
+
+
+def test_a_request_head_that_dribbles_in_gets_408_and_health_answers_throughout(limited):
+    stop = threading.Event()
+    outcome: list[tuple[bytes, float]] = []
+    loris = threading.Thread(target=lambda: outcome.append(dribble_headers(limited.url, stop)))
+    loris.start()
+    try:
+        with httpx.Client(base_url=limited.url, timeout=5) as client:
+            for _ in range(10):
+                assert client.get("/health").status_code == 200
+                time.sleep(0.1)
+    finally:
+        loris.join(15)
+        stop.set()
+    answer, seconds = outcome[0]
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert b"did not arrive within 1 s" in answer
+    assert seconds < 3  # a 1 s deadline, not the 20 s the head would take
+
+
+def test_a_connection_that_sends_nothing_is_closed(limited):
+    host, port = limited.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        started = time.monotonic()
+        answer = sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408") and time.monotonic() - started < 3
+        assert sock.recv(4096) == b""  # and closed

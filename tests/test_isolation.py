@@ -138,6 +138,7 @@ def test_a_request_past_its_timeout_is_aborted_and_the_rest_go_on(tiny_model_dir
         results = eng.generate(valid_requests())
         result = slow.result(timeout=60)
         assert result.finish_reason == "abort" and "timeout passed" in result.error
+        assert result.error_kind == "timeout"
         assert 0 < result.completion_tokens < 3000
         assert [r.output_ids for r in results] == clean_outputs
         eng.check_integrity()

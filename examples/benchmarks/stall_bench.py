@@ -2,8 +2,9 @@
 
     python examples/benchmarks/stall_bench.py [--window-s 20]
 
-A server on the default model; a probe asks /health every 50 ms while (1) an 8 MB prompt and
-(2) a 1 MB regex constraint are posted. Work done on the event loop (tokenizing, templating,
+A server on the default model; a probe asks /health every 50 ms while (1) an 8 MB prompt,
+(2) a 1 MB regex constraint and (3) a 20 kB regex of many grammar states (60 MiB compiled) are
+posted. Work done on the event loop (tokenizing, templating,
 grammar compilation) stalls every route, /health included; work done in threads does not.
 A probe that gets no answer within the window counts as the window's length.
 """
@@ -23,6 +24,7 @@ import uvicorn
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.server.app import ServerSettings, create_app
+from runtime.server.listen import uvicorn_config
 
 
 def free_port() -> int:
@@ -34,11 +36,16 @@ def free_port() -> int:
 def heavy_bodies() -> dict[str, dict]:
     rng = random.Random(0)
     words = ["".join(rng.choice("abcdefghij") for _ in range(8)) for _ in range(110_000)]
+    many_states = "(" + "|".join(f"(a|b)*c{{{i}}}" for i in range(1, 1500)) + ")"
     return {
         "8 MB prompt": {"text": "lorem ipsum " * 700_000, "sampling_params": {"max_new_tokens": 1}},
         "1 MB regex": {
             "text": "Pick one:",
             "sampling_params": {"max_new_tokens": 4, "regex": "(" + "|".join(words) + ")"},
+        },
+        "20 kB regex, many states": {
+            "text": "Pick one:",
+            "sampling_params": {"max_new_tokens": 4, "regex": many_states},
         },
     }
 
@@ -61,8 +68,9 @@ def main() -> None:
     args = parser.parse_args()
     engine = Engine(EngineConfig(max_kv_tokens=8192))
     port = free_port()
-    app = create_app(engine, ServerSettings(port=port, max_body_bytes=32 << 20))
-    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
+    settings = ServerSettings(port=port, max_body_bytes=32 << 20)
+    app = create_app(engine, settings)
+    server = uvicorn.Server(uvicorn_config(app, settings, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)

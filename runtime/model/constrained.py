@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from runtime.model.grammar_check import GrammarSyntaxUnknown, endless_rules
+from runtime.model.grammar_probe import GrammarProbe, ProbeVerdict, compile_constraint
 from runtime.protocol import Constraint
 
 
@@ -26,10 +26,15 @@ class InvalidConstraintError(ValueError):
 
 MAX_CONSTRAINT_BYTES = 64 << 10  # a regex, grammar, schema or choice list, serialized
 COMPILE_BUDGET_S = 10.0
+COMPILE_MEMORY_BYTES = 512 << 20  # what one trial compile may allocate (its child process)
+MAX_COMPILED_BYTES = 32 << 20  # one compiled grammar, kept in the server
+MAX_CACHED_BYTES = 256 << 20  # every compiled grammar kept (least recently used go first)
+MAX_SCHEMA_DEPTH = 64  # nested objects and lists in a JSON schema (recursion everywhere)
 
 
 class GrammarCache:
-    """Compiles each distinct constraint once per process and makes matchers for requests."""
+    """Compiles each distinct constraint once (a trial in a memory-limited child process
+    first, see grammar_probe.py) and makes matchers for requests."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         try:
@@ -46,22 +51,22 @@ class GrammarCache:
         self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
         )
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=True)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
         self.blocked = torch.zeros(vocab_size, dtype=torch.bool)  # special tokens but EOS
         for token_id, token in getattr(tokenizer, "added_tokens_decoder", {}).items():
             if token.special and token_id not in eos_token_ids and token_id < vocab_size:
                 self.blocked[token_id] = True
-        self._compiled: dict[str, Any] = {}
+        self._compiled: OrderedDict[str, Any] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
-        # compiles run here, so a caller waits at most COMPILE_BUDGET_S (xgrammar cannot be
-        # interrupted: a runaway compile finishes in the background, bounded by the size cap)
-        self._workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flowlang-grammar")
+        self.probe = GrammarProbe(self.info.serialize_json(), COMPILE_MEMORY_BYTES)
+        self.probe.start()
         self.compile_seconds: dict[str, float] = {}
 
     def compile(self, constraint: Constraint) -> Any:
         key = json.dumps(constraint.model_dump(), sort_keys=True)  # ASCII: lone surrogates too
         with self._lock:
             if key in self._compiled:
+                self._compiled.move_to_end(key)
                 return self._compiled[key]
         kind = next(
             k for k in ("regex", "json_schema", "choices", "grammar") if getattr(constraint, k)
@@ -72,35 +77,72 @@ class GrammarCache:
                 f"{MAX_CONSTRAINT_BYTES:,}"
             )
         started = time.perf_counter()
+        verdict = self.probe.trial(constraint, COMPILE_BUDGET_S)
+        _check_trial(verdict, kind, self.probe.memory_limit_bytes)
         try:
-            compiled = self._workers.submit(self._compile, constraint).result(COMPILE_BUDGET_S)
-        except FutureTimeout as err:
-            raise InvalidConstraintError(
-                f"compiling the {kind} took over {COMPILE_BUDGET_S:g} s: simplify it"
-            ) from err
-        except (RuntimeError, ValueError, TypeError) as err:
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
-            raise InvalidConstraintError(f"invalid {kind}: {first_line}") from err
+            compiled = compile_constraint(self.compiler, constraint)
+        except (RuntimeError, ValueError, TypeError) as err:  # the trial passed: unexpected
+            raise InvalidConstraintError(f"invalid {kind}: {err}") from err
         _refuse_endless(compiled, kind)
         with self._lock:
             self._compiled[key] = compiled
             self.compile_seconds[key] = time.perf_counter() - started
+            self._evict()
         return compiled
 
-    def _compile(self, constraint: Constraint) -> Any:
-        if constraint.regex is not None:
-            return self.compiler.compile_regex(constraint.regex)
-        if constraint.json_schema is not None:
-            return self.compiler.compile_json_schema(
-                json.dumps(constraint.json_schema), any_whitespace=False, separators=(",", ":")
-            )
-        if constraint.choices is not None:
-            alternatives = " | ".join(json.dumps(c) for c in constraint.choices)
-            return self.compiler.compile_grammar(f"root ::= {alternatives}")
-        return self.compiler.compile_grammar(constraint.grammar)
+    def _evict(self) -> None:
+        """Drop the least recently used grammars past MAX_CACHED_BYTES (requests that hold
+        one keep it alive; a later request compiles it again)."""
+        total = sum(c.memory_size_bytes for c in self._compiled.values())
+        while total > MAX_CACHED_BYTES and len(self._compiled) > 1:
+            key, compiled = self._compiled.popitem(last=False)
+            self.compile_seconds.pop(key, None)
+            total -= compiled.memory_size_bytes
 
     def new_state(self, constraint: Constraint) -> ConstraintState:
         return ConstraintState(self, self._xgr.GrammarMatcher(self.compile(constraint)))
+
+
+def check_nesting(constraint: Constraint) -> None:
+    """Refuse a JSON schema nested deeper than MAX_SCHEMA_DEPTH, before anything recurses
+    through it (serializing, hashing, converting to a grammar each recurse per level)."""
+    if constraint.json_schema is None:
+        return
+    level: list = [constraint.json_schema]
+    for _ in range(MAX_SCHEMA_DEPTH + 1):
+        level = [
+            child
+            for node in level
+            for child in (node.values() if isinstance(node, dict) else node)
+            if isinstance(child, dict | list)
+        ]
+        if not level:
+            return
+    raise InvalidConstraintError(
+        f"the json_schema nests deeper than {MAX_SCHEMA_DEPTH} levels of objects and lists"
+    )
+
+
+def _check_trial(verdict: ProbeVerdict, kind: str, memory_limit_bytes: int) -> None:
+    """Refuse a constraint whose trial compile failed or came out too large to keep."""
+    if verdict.outcome == "invalid":
+        raise InvalidConstraintError(f"invalid {kind}: {verdict.detail}")
+    if verdict.outcome == "time":
+        raise InvalidConstraintError(
+            f"compiling the {kind} took over {COMPILE_BUDGET_S:g} s: simplify it"
+        )
+    if verdict.outcome == "crashed":  # the input broke the compiler: still the input's fault
+        raise InvalidConstraintError(f"the {kind} crashed the compiler ({verdict.detail})")
+    if verdict.outcome == "memory":
+        raise InvalidConstraintError(
+            f"compiling the {kind} needs over {memory_limit_bytes >> 20} MiB of memory "
+            "(too many grammar states): simplify it"
+        )
+    if verdict.num_bytes > MAX_COMPILED_BYTES:
+        raise InvalidConstraintError(
+            f"the compiled {kind} takes {verdict.num_bytes / (1 << 20):.1f} MiB; the limit is "
+            f"{MAX_COMPILED_BYTES >> 20} MiB (too many grammar states): simplify it"
+        )
 
 
 def _refuse_endless(compiled: Any, kind: str) -> None:

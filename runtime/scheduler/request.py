@@ -82,7 +82,7 @@ class Req:
         self.admit_seq = -1
         self.num_retractions = 0
         self.error: str | None = None
-        self.error_kind: str | None = None  # "invalid" | "busy" | "internal" (GenerateResult)
+        self.error_kind: str | None = None  # "invalid" | "busy" | "internal" | "timeout"
         # the last known cache match while waiting (SchedulePolicy.match keeps it current)
         self.match_pos: TreePosition | None = None
         self.match_version = -1

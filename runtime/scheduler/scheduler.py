@@ -62,6 +62,9 @@ class ScheduledBatch:
     forward: ForwardBatch
 
 
+TIMEOUT_MESSAGE = "the request's timeout passed before it finished"
+
+
 class Scheduler:
     """Admission on the prefix cache, mixed batches, retraction, output processing."""
 
@@ -153,7 +156,7 @@ class Scheduler:
         while self._deadlines and self._deadlines[0][0] < now:
             req = heapq.heappop(self._deadlines)[2]
             if req.status in (ReqStatus.WAITING, ReqStatus.RUNNING):
-                self.fail(req, "the request's timeout passed before it finished", "abort")
+                self.fail(req, TIMEOUT_MESSAGE, "abort", kind="timeout")
 
     def _admit(self, budget: int) -> list[BatchEntry]:
         entries: list[BatchEntry] = []

@@ -14,14 +14,18 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.errors import (
     EngineBusyError,
     EngineClosedError,
     InvalidRequestError,
     RequestError,
+    RequestTimeoutError,
     UnknownRequestError,
+    error_of,
 )
+from runtime.protocol import GenerateResult
 
 if TYPE_CHECKING:
     from runtime.server.state import Server
@@ -71,6 +75,7 @@ STATUS: dict[type[Exception], tuple[int, str | None]] = {
     InvalidRequestError: (400, None),
     UnknownRequestError: (404, None),
     BodyReadTimeoutError: (408, None),
+    RequestTimeoutError: (408, None),
     BodyTooLargeError: (413, None),
     TooManyRequestsError: (429, None),
     ClientGone: (499, "client closed the request"),
@@ -80,18 +85,43 @@ STATUS: dict[type[Exception], tuple[int, str | None]] = {
 }
 
 
+def error_body(status: int, message: str) -> dict:
+    """The error shape of every API, in responses and in stream frames alike."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
 def error_response(
-    status: int, message: str, server: Server, retry_after_s: int | None = None
+    status: int,
+    message: str,
+    server: Server,
+    retry_after_s: int | None = None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     """An error body with `status` (and a Retry-After hint), counted in the metrics."""
     server.http_errors[status] += 1
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
-    return AsciiJSONResponse(
-        {"error": {"message": message, "type": kind, "code": status}},
-        status_code=status,
-        headers=headers,
-    )
+    headers = dict(headers or {})
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(retry_after_s)
+    return AsciiJSONResponse(error_body(status, message), status_code=status, headers=headers)
+
+
+def status_of(err: Exception) -> int:
+    """The status code of a domain error (500 for anything else)."""
+    return next((STATUS[kind][0] for kind in type(err).__mro__ if kind in STATUS), 500)
+
+
+def failure_of(result: GenerateResult) -> Exception | None:
+    """The error a finished result stands for, or None if it did not fail. A request past
+    its deadline ends as an abort of kind "timeout" (a client's abort is no failure)."""
+    if result.finish_reason == "error" or result.error_kind == "timeout":
+        return error_of(result)
+    return None
+
+
+def error_frame(err: Exception) -> str:
+    """A stream's last data frame when its request failed (OpenAI's client raises on it)."""
+    return json.dumps(error_body(status_of(err), str(err)))
 
 
 def install_error_handlers(app: FastAPI, server: Server) -> None:
@@ -104,6 +134,15 @@ def install_error_handlers(app: FastAPI, server: Server) -> None:
         return error_response(422, f"invalid request: {problems}", server)
 
     app.add_exception_handler(RequestValidationError, validation)
+
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        # 404, 405, and FastAPI's 400 for a body it cannot decode (not UTF-8, say)
+        message = str(err.detail)
+        if err.__cause__ is not None:
+            message = f"{message}: {err.__cause__}"
+        return error_response(err.status_code, message, server, headers=err.headers)
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
     # a stray exception (KeyError, ValueError, ...) is a server bug, never the client's fault;
     # Starlette still re-raises it after this response, so it is logged with its traceback
     app.add_exception_handler(Exception, _handler(server, 500, "internal server error"))

@@ -12,8 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.handles import RequestHandle
 from runtime.protocol import GenerateRequest, GraphHints, PinInfo, ScoreRequest
+from runtime.scoring import Cancellation
 from runtime.server.state import ServerDep
-from runtime.server.streaming import sse
+from runtime.server.streaming import sse, unless_gone
 
 router = APIRouter(prefix="/v1/flowlang")
 
@@ -75,8 +76,9 @@ async def _events(handle: RequestHandle) -> AsyncGenerator[str, None]:
 async def score(body: ScoreRequest, request: Request, server: ServerDep):
     """Per-token logprobs of each continuation after the prefix."""
     body = body.model_copy(update={"namespace": server.namespace(request, body.namespace)})
-    (result,) = await asyncio.to_thread(server.engine.score, body)
-    return result.model_dump()
+    cancel = Cancellation()  # a client that goes away stops its score, as it does a generate
+    work = asyncio.ensure_future(asyncio.to_thread(server.engine.scorer.score, body, cancel))
+    return (await unless_gone(request, work, cancel.cancel)).model_dump()
 
 
 @router.post("/pin")

@@ -10,10 +10,11 @@ from collections.abc import AsyncGenerator
 
 from fastapi import APIRouter, Request
 
-from runtime.errors import InvalidRequestError, error_of
+from runtime.errors import InvalidRequestError
 from runtime.handles import RequestHandle
 from runtime.intake import check_unicode
 from runtime.protocol import Constraint, GenerateRequest, GenerateResult
+from runtime.server.errors import error_frame, failure_of
 from runtime.server.schemas import ChatBody, CompletionBody
 from runtime.server.state import Server, ServerDep
 from runtime.server.streaming import sse
@@ -138,8 +139,9 @@ def _chat_prompt(server: Server, body: ChatBody) -> list[int]:
 
 def _checked(results: list[GenerateResult]) -> list[GenerateResult]:
     for result in results:
-        if result.finish_reason == "error":
-            raise error_of(result)
+        failure = failure_of(result)
+        if failure is not None:
+            raise failure
     return results
 
 
@@ -222,7 +224,12 @@ async def _completion_stream(
     for index, handle in enumerate(handles):
         async for delta in handle.astream():
             yield chunk(index, delta, None)
-        yield chunk(index, "", _reason(await handle.aresult()))
+        result = await handle.aresult()
+        failure = failure_of(result)
+        if failure is not None:  # an error frame, never a finish_reason that says it ended well
+            yield error_frame(failure)
+            return
+        yield chunk(index, "", _reason(result))
 
 
 async def _chat_stream(
@@ -249,6 +256,10 @@ async def _chat_stream(
         async for delta in handle.astream():
             yield chunk(index, {"content": delta}, None)
         result = await handle.aresult()
+        failure = failure_of(result)
+        if failure is not None:
+            yield error_frame(failure)
+            return
         results.append(result)
         yield chunk(index, {}, _reason(result))
     if include_usage:

@@ -69,7 +69,10 @@ class CompletionBody(_OpenAISampling):
     echo: bool = False
 
     def prompts(self) -> list[str | list[int]]:
+        """The prompts as texts or token id lists; an empty list is a 400 (no choices)."""
         p = self.prompt
+        if isinstance(p, list) and not p:
+            raise InvalidRequestError("`prompt` is an empty list: send at least one prompt")
         if isinstance(p, str):
             return [p]
         if p and isinstance(p[0], int):

@@ -21,11 +21,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from runtime.engine import Engine
-from runtime.errors import error_of
 from runtime.handles import RequestHandle
 from runtime.protocol import GenerateRequest, GenerateResult, GraphHints, StreamChunk
 from runtime.server import sglang_ops
-from runtime.server.errors import invalid_input
+from runtime.server.errors import error_frame, failure_of, invalid_input
 from runtime.server.sglang_schemas import GenerateBody, Prompt
 from runtime.server.state import Server, ServerDep
 from runtime.server.streaming import sse
@@ -111,9 +110,9 @@ async def _stream(
             i, item = await queue.get()
             if isinstance(item, GenerateResult):
                 num_running -= 1
-                if item.finish_reason == "error":  # SGLang's stream says so in a data frame
-                    error = {"message": item.error, "type": "invalid_request_error", "code": 400}
-                    yield json.dumps({"error": error})
+                failure = failure_of(item)
+                if failure is not None:  # SGLang's stream says so in a data frame
+                    yield error_frame(failure)
                     return
             if isinstance(item, StreamChunk):
                 result = running[i].add(item)
@@ -164,8 +163,9 @@ class _Output:
 
     def __call__(self, result: GenerateResult, p: Prompt) -> dict:
         """One request's output, finished or (streaming) so far."""
-        if result.finish_reason == "error":
-            raise error_of(result)
+        failure = failure_of(result)
+        if failure is not None:
+            raise failure
         meta: dict[str, Any] = {
             "id": result.rid,
             "finish_reason": _finish_reason(result),

@@ -355,6 +355,8 @@ def constraint_of(
             json_schema = json.loads(json_schema)
         except json.JSONDecodeError as err:
             raise InvalidRequestError(f"json_schema is not valid JSON: {err}") from err
+        except RecursionError as err:  # Python's decoder recurses per level
+            raise InvalidRequestError("json_schema nests too deeply to read") from err
     given = {
         k: v
         for k, v in (("regex", regex), ("json_schema", json_schema), ("grammar", grammar))

@@ -34,6 +34,8 @@ class ServerSettings:
     max_requests_per_key: int = 512  # in flight at once, per API key (429 beyond)
     max_pinned_tokens_per_key: int | None = None  # default: half the KV pool (429 beyond)
     body_read_timeout_s: float = 30.0  # a body that trickles in slower than this is a 408
+    head_timeout_s: float = 10.0  # a request line + headers not whole by then: 408, closed
+    request_timeout_s: float | None = None  # for requests that set no timeout_s (then a 408)
 
 
 class Server:
@@ -72,6 +74,11 @@ class Server:
         Tokenizing and grammar compilation happen in a worker thread: a huge prompt or a
         pathological grammar never stalls the event loop (/health included)."""
         self._reserve(tenant, len(requests))
+        default = self.settings.request_timeout_s
+        if default is not None:
+            requests = [
+                r if r.timeout_s else r.model_copy(update={"timeout_s": default}) for r in requests
+            ]
         loop = asyncio.get_running_loop()
         try:
             handles = await asyncio.to_thread(self._submit_all, requests, loop)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -14,6 +15,8 @@ from runtime.engine import Engine
 from runtime.handles import RequestHandle
 from runtime.protocol import GenerateResult
 from runtime.server.errors import ClientGone
+
+T = TypeVar("T")
 
 
 def sse(
@@ -39,13 +42,19 @@ async def wait_results(
 ) -> list[GenerateResult]:
     """Results of `handles`, aborting them (and raising ClientGone) if the client disconnects."""
     waiter = asyncio.gather(*(h.aresult() for h in handles))
+    return await unless_gone(request, waiter, lambda: abort_unfinished(engine, handles))
+
+
+async def unless_gone(request: Request, work: asyncio.Future[T], stop: Callable[[], None]) -> T:
+    """The result of `work`; if the client disconnects first, `stop()` it, wait for it to
+    wind down, and raise ClientGone."""
     while True:
-        done, _ = await asyncio.wait({waiter}, timeout=0.25)
+        done, _ = await asyncio.wait({work}, timeout=0.25)
         if done:
-            return waiter.result()
+            return work.result()
         if await request.is_disconnected():
-            abort_unfinished(engine, handles)
-            await asyncio.gather(waiter, return_exceptions=True)
+            stop()
+            await asyncio.gather(work, return_exceptions=True)
             raise ClientGone()
 
 

@@ -1,0 +1,78 @@
+"""The server's connections: uvicorn's h11 protocol with a deadline on each request head.
+
+ASGI middleware only sees a request once its head (request line and headers) is complete, so a
+client that dribbles its headers a byte at a time (slow loris) would hold its connection
+forever: uvicorn's keep-alive timer stops at the first byte and never restarts before the head
+is whole. Here a connection whose request head is not complete within `head_timeout_s` of the
+connection opening (or of the previous response) gets a 408 and is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from runtime.server.state import ServerSettings
+
+
+class HeadDeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol, closing connections whose request head comes too slowly."""
+
+    def __init__(self, *args: Any, head_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.head_timeout_s = head_timeout_s
+        self._head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._cancel_head_deadline()  # the head is complete: the body has its own timeout
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_head_deadline()  # the next request on this connection
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_deadline()
+        super().connection_lost(exc)
+
+    def _arm_head_deadline(self) -> None:
+        self._cancel_head_deadline()
+        self._head_deadline = self.loop.call_later(self.head_timeout_s, self._head_too_slow)
+
+    def _cancel_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_too_slow(self) -> None:
+        """408 in our error shape, written raw: h11 has no request to answer yet."""
+        self._head_deadline = None
+        if self.transport.is_closing():
+            return
+        message = f"the request head did not arrive within {self.head_timeout_s:g} s"
+        body = json.dumps(
+            {"error": {"message": message, "type": "invalid_request_error", "code": 408}}
+        ).encode()
+        self.transport.write(
+            b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        self.transport.close()
+
+
+def uvicorn_config(app: Any, settings: ServerSettings, **options: Any) -> uvicorn.Config:
+    """uvicorn's Config for `app` (an ASGI app, maybe wrapping create_app's) under
+    `settings`, its connections on HeadDeadlineProtocol."""
+    protocol = functools.partial(HeadDeadlineProtocol, head_timeout_s=settings.head_timeout_s)
+    return uvicorn.Config(app, host=settings.host, port=settings.port, http=protocol, **options)
