@@ -76,6 +76,31 @@ def add_serve(commands: Commands) -> None:
     serve.add_argument("--eviction-policy", default="lru")
     serve.add_argument("--max-body-bytes", type=int, default=8 << 20)
     serve.add_argument("--pin-lease-seconds", type=float, default=30.0)
+    serve.add_argument(
+        "--head-timeout", type=float, default=10.0, help="seconds for a request's headers"
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="abort requests that set no timeout_s after this many seconds (408)",
+    )
+    serve.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="engine replicas as Ray actors behind a router (needs flowlang[ray])",
+    )
+    serve.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (default: RAY_ADDRESS, else local)",
+    )
+    serve.add_argument(
+        "--routing-policy",
+        default="cache_aware",
+        choices=["round_robin", "least_loaded", "cache_aware", "approximate"],
+    )
     serve.set_defaults(handler=run_serve)
 
 
@@ -91,17 +116,26 @@ def run_serve(args: argparse.Namespace) -> int:
         schedule_policy=args.schedule_policy,
         eviction_policy=args.eviction_policy,
     )
-    serve(
-        config,
-        ServerSettings(
-            host=args.host,
-            port=args.port,
-            api_keys=(*args.api_key, *read_keys(args.api_key_file, "FLOWLANG_API_KEYS")),
-            admin_keys=read_keys(args.admin_key_file, "FLOWLANG_ADMIN_KEYS"),
-            max_body_bytes=args.max_body_bytes,
-            pin_lease_seconds=args.pin_lease_seconds,
-        ),
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        api_keys=(*args.api_key, *read_keys(args.api_key_file, "FLOWLANG_API_KEYS")),
+        admin_keys=read_keys(args.admin_key_file, "FLOWLANG_ADMIN_KEYS"),
+        max_body_bytes=args.max_body_bytes,
+        pin_lease_seconds=args.pin_lease_seconds,
+        head_timeout_s=args.head_timeout,
+        request_timeout_s=args.request_timeout,
     )
+    if args.replicas > 1 or args.ray_address:
+        from runtime.cluster.cluster import ClusterConfig
+        from runtime.cluster.policy import RouterConfig
+        from runtime.cluster.serve import serve_cluster
+
+        router = RouterConfig(policy=args.routing_policy)
+        cluster = ClusterConfig(args.replicas, router, args.ray_address)
+        serve_cluster(config, cluster, settings)
+    else:
+        serve(config, settings)
     return 0
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from runtime.cache.events import KVEventPublisher, KVEventSubscription
+from runtime.cache.radix import RadixCache
 from runtime.config import EngineConfig
 from runtime.errors import EngineClosedError, InvalidRequestError, error_for_kind
 from runtime.handles import PinHandle, RequestHandle
@@ -91,6 +93,7 @@ class Engine:
     def _init_loop(self) -> None:
         """The loop thread that owns scheduler, tree and pool."""
         self._closed = False
+        self._kv_events: KVEventPublisher | None = None  # made by the first subscriber
         self._loop = EngineLoop(self.step, self.scheduler.has_work, self.scheduler.fail_running)
 
     # ------------------------------------------------------------------ the step
@@ -152,6 +155,16 @@ class Engine:
         req.on_finish = lambda r: self._finished(handle, r)
         self._run_in_loop(lambda: self.scheduler.add(req))
         return handle
+
+    def submit_many(self, requests: Sequence[GenerateRequest]) -> list[RequestHandle]:
+        """Queue requests that arrive together: no step runs between two of them, so the
+        scheduler sees one arrival (deterministic admission order, e.g. for benchmarks)."""
+        gate = threading.Event()
+        self._run_in_loop(gate.wait)  # the loop waits here until every request is queued
+        try:
+            return [self.submit(request) for request in requests]
+        finally:
+            gate.set()
 
     def generate(
         self, requests: GenerateRequest | Sequence[GenerateRequest]
@@ -223,6 +236,31 @@ class Engine:
         match_limit) at each admission and ("insert", namespace, ids) at each tree insert."""
         return self._call_in_loop(lambda: list(self.scheduler.kv.trace or ()))
 
+    def subscribe_kv_events(self, max_pending_events: int = 100_000) -> KVEventSubscription:
+        """Stream the radix tree's changes (runtime/cache/events.py): a snapshot, then every
+        stored/removed/cleared event in order. A reader more than `max_pending_events` behind
+        gets KVEventsLostError and must subscribe again."""
+
+        def subscribe() -> KVEventSubscription:
+            cache = self.scheduler.kv.cache
+            if self._kv_events is None:
+                self._kv_events = KVEventPublisher()
+                if isinstance(cache, RadixCache):  # NullCache stores nothing: no events
+                    cache.event_sink = self._kv_events.emit
+            paths = cache.edge_paths() if isinstance(cache, RadixCache) else ()
+            return self._kv_events.subscribe(paths, max_pending_events)
+
+        return self._call_in_loop(subscribe)
+
+    def load_eviction_oracle(self, trace: Sequence[tuple]) -> None:
+        """Benchmarks only: the "oracle" eviction policy's future, a `cache_trace()` recorded
+        by a run of the same work (greedy); call before the first request."""
+        if self.config.eviction_policy != "oracle" or self.config.disable_radix_cache:
+            raise InvalidRequestError(
+                "load_eviction_oracle needs eviction_policy='oracle' and the radix cache on"
+            )
+        self._call_in_loop(lambda: self.scheduler.kv.marks.load(trace))
+
     def check_integrity(self) -> None:
         """Assert tree, allocator and scheduler invariants (between steps)."""
         self._call_in_loop(self.scheduler.check_integrity)
@@ -237,6 +275,8 @@ class Engine:
         while self.scheduler.has_work() and time.monotonic() < deadline:
             time.sleep(0.02)
         self._loop.stop(self._abort_everything)
+        if self._kv_events is not None:
+            self._kv_events.close_all()
 
     def __enter__(self) -> Engine:
         return self

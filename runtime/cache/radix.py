@@ -143,6 +143,9 @@ class RadixCache:
         self.page_size = page_size
         self.policy = make_eviction_policy(eviction_policy)
         self.num_evicted_tokens = 0
+        # KV events (events.py): called as sink(kind, namespace, token_ids, start_len) at each
+        # store / evict / reset; None costs one comparison at those points
+        self.event_sink: Callable[[str, Namespace, tuple[int, ...], int], None] | None = None
         self._init_tree()
 
     # ---------------------------------------------------------------- sizes
@@ -226,6 +229,8 @@ class RadixCache:
             self.evictable_size += aligned_len - pos
             self.num_nodes += 1
             self._bump(leaf)
+            if self.event_sink is not None:
+                self.event_sink("stored", namespace, key, pos)
             values.append(new_indices)
             node, pos = leaf, aligned_len
         return InsertResult(prefix_len, TreePosition(node, pos), _cat(values))
@@ -279,6 +284,8 @@ class RadixCache:
                 break
             victims.append(node)
             num_evicted += len(node.key)
+            if self.event_sink is not None:
+                self._emit_removed(node)
             parent = self._unlink_leaf(node)
             if parent is not None:
                 self._candidates.add(parent)  # a dead branch cascades within this call
@@ -326,6 +333,19 @@ class RadixCache:
             node.evicted = True
         self._candidates.clear()
         self._init_tree()
+        if self.event_sink is not None:
+            self.event_sink("cleared", None, (), 0)
+
+    def edge_paths(self):
+        """(namespace, path from the root, depth where the edge starts) per edge, parents
+        first: the tree as `stored` KV events (a subscriber's snapshot)."""
+        for namespace, root in self._roots.items():
+            stack = [(child, ()) for child in root.children.values()]
+            while stack:
+                node, above = stack.pop()
+                path = above + node.key
+                yield namespace, path, len(above)
+                stack.extend((child, path) for child in node.children.values())
 
     # ---------------------------------------------------------------- checks
     def check_integrity(self, num_caller_slots: int | None = None) -> None:
@@ -504,6 +524,8 @@ class RadixCache:
         upper.children[self._child_key(node.key, 0)] = node
         self.num_nodes += 1
         self._bump(node)
+        if node.candidate_seq is not None:
+            self._candidates.add(node)  # its edge changed: a policy may rank it anew (oracle)
         return upper
 
     def _bump(self, node: TreeNode) -> None:
@@ -544,6 +566,16 @@ class RadixCache:
             first = rows[:, :1]
             if not bool(((first % self.page_size == 0) & (rows - first == _arange(rows))).all()):
                 raise ValueError(f"insert needs whole pages of {self.page_size} slots in order")
+
+    def _emit_removed(self, leaf: TreeNode) -> None:
+        """Tell the event sink a leaf edge is leaving (before it is unlinked)."""
+        keys, node = [], leaf
+        while node.parent is not None:
+            keys.append(node.key)
+            node = node.parent
+        path = tuple(t for key in reversed(keys) for t in key)
+        namespace = next(ns for ns, root in self._roots.items() if root is node)
+        self.event_sink("removed", namespace, path, len(path) - len(leaf.key))
 
     def _iter_nodes(self):
         for root in self._roots.values():

@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.server import flowlang_api, openai_api, ops, sglang_api
+from runtime.server import events_api, flowlang_api, openai_api, ops, sglang_api
 from runtime.server.errors import (
     AsciiJSONResponse,
     BodyReadTimeoutError,
@@ -47,7 +47,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     )
     app.add_middleware(Guard, server=server)
     install_error_handlers(app, server)
-    for api in (ops, sglang_api, openai_api, flowlang_api):
+    for api in (ops, sglang_api, openai_api, flowlang_api, events_api):
         app.include_router(api.router)
     return app
 
@@ -121,8 +121,9 @@ class Guard:
 
 class BodyLimit:
     """ASGI middleware: a body read past `limit_bytes` fails with 413, whether or not it
-    declared a Content-Length (a chunked body is counted as it arrives), and a body whose next
-    part takes longer than `read_timeout_s` fails with 408 (a slow-loris client)."""
+    declared a Content-Length (a chunked body is counted as it arrives), and a body not whole
+    within `read_timeout_s` of the route asking for it fails with 408 (a slow-loris client:
+    a deadline per part would let a byte every few seconds hold the connection for days)."""
 
     def __init__(self, app: ASGIApp, limit_bytes: int, read_timeout_s: float) -> None:
         self.app = app
@@ -135,16 +136,19 @@ class BodyLimit:
             return
         num_bytes = 0
         body_done = False
+        deadline: float | None = None  # set by the first read
 
         async def limited() -> Message:
-            nonlocal num_bytes, body_done
+            nonlocal num_bytes, body_done, deadline
             if body_done:  # afterwards receive() waits for a disconnect: no deadline
                 return await receive()
+            if deadline is None:
+                deadline = time.monotonic() + self.read_timeout_s
             try:
-                message = await asyncio.wait_for(receive(), self.read_timeout_s)
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 raise BodyReadTimeoutError(
-                    f"no part of the request body arrived for {self.read_timeout_s:g} s"
+                    f"the request body did not arrive within {self.read_timeout_s:g} s"
                 ) from None
             num_bytes += len(message.get("body", b""))
             body_done = not message.get("more_body", False)
@@ -162,19 +166,26 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
 
     If the engine's loop ever dies, the process exits with status 70 so a supervisor restarts
     it (/health says 503 meanwhile)."""
-    import uvicorn
-
     engine = Engine(engine_config)
     threading.Thread(target=_exit_if_engine_dies, args=(engine,), daemon=True).start()
-    app = create_app(engine, settings)
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
+    run_app(engine, settings)
+
+
+def run_app(engine: Engine, settings: ServerSettings) -> None:
+    """Serve `engine` (or anything with its surface: runtime.cluster.front) until
+    interrupted; the app's shutdown drains and closes it."""
+    import uvicorn
+
+    from runtime.server.listen import uvicorn_config
+
+    config = uvicorn_config(
+        create_app(engine, settings),
+        settings,
         log_level="info",
         timeout_graceful_shutdown=int(settings.drain_timeout) + 5,
         timeout_keep_alive=5,
     )
+    uvicorn.Server(config).run()
 
 
 def _exit_if_engine_dies(engine: Engine) -> None:

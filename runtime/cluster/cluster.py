@@ -1,0 +1,276 @@
+"""Cluster: engine replicas as Ray actors behind a Router, from the driver's side.
+
+Each request is routed, run on its replica's actor, and answered exactly once. If the replica
+dies under it (killed, node lost), the replica leaves the router (its tree and pins with it),
+and the request is routed again to a live one; when Ray has restarted the actor it rejoins,
+empty. An event pump thread follows every replica's KV events into the router's trees.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.cluster.mirror import MirrorDesyncError
+from runtime.cluster.policy import RouterConfig
+from runtime.cluster.ray_support import init_ray
+from runtime.cluster.replica import replica_actor_class
+from runtime.cluster.router import NoReplicaError, Router
+from runtime.config import EngineConfig
+from runtime.protocol import GenerateRequest, GenerateResult, GraphHints, PinInfo, ScoreRequest
+from runtime.results import error_result
+
+EVENT_POLL_S = 0.05  # how long one event poll waits on a quiet replica
+REJOIN_POLL_S = 0.5  # how often a dead replica is asked whether Ray restarted it
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """How many replicas, how they are routed to, and where Ray is.
+
+    >>> ClusterConfig(num_replicas=2).router.policy
+    'cache_aware'
+    """
+
+    num_replicas: int = 2
+    router: RouterConfig = field(default_factory=RouterConfig)
+    ray_address: str | None = None  # None: RAY_ADDRESS, else a local Ray started here
+    num_cpus_per_replica: float = 1.0
+    max_restarts: int = 3  # Ray restarts a dead replica this often
+    max_attempts: int = 3  # runs of one request across replica deaths
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+
+
+class ClusterPin:
+    """A pin held on one replica; `release()` frees it there."""
+
+    def __init__(self, info: PinInfo, release) -> None:
+        self.info = info
+        self.pin_id = info.pin_id
+        self._release = release
+        self.released = False
+
+    def release(self) -> None:
+        """Unpin (once)."""
+        if not self.released:
+            self.released = True
+            self._release(self.info.pin_id)
+
+
+class Cluster:
+    """N replicas of one engine config behind a router (thread-safe)."""
+
+    def __init__(self, engine_config: EngineConfig, config: ClusterConfig | None = None) -> None:
+        self.config = config or ClusterConfig()
+        self.engine_config = engine_config
+        self._init_replicas()
+        self._executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="cluster")
+        self._closed = threading.Event()
+        self._pump = threading.Thread(target=self._pump_events, name="kv-events", daemon=True)
+        self._pump.start()
+
+    def _init_replicas(self) -> None:
+        """Start (or join) Ray, start the actors, and route to each once it has started."""
+        config = self.config
+        self._ray = init_ray(config.ray_address, None)
+        gpu = self.engine_config.device.startswith("cuda")
+        actor_class = replica_actor_class(
+            0 if gpu else config.num_cpus_per_replica, 1 if gpu else 0, config.max_restarts
+        )
+        settings = self.engine_config.model_dump()
+        self.actors = {i: actor_class.remote(settings) for i in range(config.num_replicas)}
+        self.router = Router(config.router, self.engine_config.page_size)
+        snapshots = self._ray.get([a.snapshot.remote() for a in self.actors.values()])
+        for replica_id, snapshot in zip(self.actors, snapshots, strict=True):
+            self.router.add_replica(replica_id, snapshot)
+        self.num_reruns = 0  # requests re-run after their replica died
+        self._rejoining: set[int] = set()
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------- requests
+    def submit(self, request: GenerateRequest, prefer: int | None = None) -> Future:
+        """Run a request on the routed (or `prefer`red) replica; the future gets one result."""
+        return self._executor.submit(self._generate, request, prefer)
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        """Run requests concurrently; results in order."""
+        return [f.result() for f in [self.submit(r) for r in requests]]
+
+    def score(self, request: ScoreRequest, prefer: int | None = None) -> Any:
+        """Score continuations on the replica that caches most of the prefix."""
+        ids = request.prefix if isinstance(request.prefix, list) else []
+        rid = f"score-{uuid.uuid4().hex[:12]}"
+        return self._call(rid, ids, request.namespace, prefer, "score", request)
+
+    def pin(
+        self,
+        prefix_ids: list[int],
+        namespace: str | None = None,
+        hints: GraphHints | None = None,
+        prefer: int | None = None,
+    ) -> ClusterPin:
+        """Pin a prefix on one replica; `replica_of_pin` sends its readers there."""
+        rid = f"pin-route-{uuid.uuid4().hex[:12]}"
+        info, replica_id = self._call(
+            rid, prefix_ids, namespace, prefer, "pin", prefix_ids, namespace, hints, where=True
+        )
+        self.router.place_pin(info.pin_id, replica_id, prefix_ids, namespace)
+        return ClusterPin(info, self._unpin)
+
+    def replica_of_pin(self, pin_id: str) -> int | None:
+        """The replica holding a pin (None once released or its replica died)."""
+        return self.router.replica_of_pin(pin_id)
+
+    def _generate(self, request: GenerateRequest, prefer: int | None) -> GenerateResult:
+        ids = request.input_ids or []
+        try:
+            return self._call(request.rid, ids, request.namespace, prefer, "generate", request)
+        except NoReplicaError as err:
+            return error_result(request.rid, f"no replica could run the request: {err}")
+
+    def _call(self, rid, ids, namespace, prefer, method: str, *args, where: bool = False):
+        """Route, call `method` on the replica's actor, re-route if the replica dies."""
+        ray = self._ray
+        for _ in range(self.config.max_attempts):
+            replica_id = self.router.route(rid, ids, namespace, prefer)
+            try:
+                answer = ray.get(getattr(self.actors[replica_id], method).remote(*args))
+            except ray.exceptions.RayActorError:  # died (or unreachable) under the request
+                self.router.finish(rid)
+                self._lost(replica_id)
+                prefer = None
+                self.num_reruns += 1
+                continue
+            except ray.exceptions.RayTaskError as err:  # the engine refused it: its own error
+                self.router.finish(rid)
+                raise err.as_instanceof_cause() from None
+            if method == "pin":
+                self.router.finish(rid)
+                return (answer, replica_id) if where else answer
+            result, seq = answer
+            self.router.finish(rid, after_seq=seq)
+            return result
+        raise NoReplicaError(
+            f"{rid}: every replica it ran on died ({self.config.max_attempts} runs)"
+        )
+
+    def _unpin(self, pin_id: str) -> None:
+        replica_id = self.router.replica_of_pin(pin_id)
+        self.router.release_pin(pin_id)
+        if replica_id is not None and not self._closed.is_set():
+            self.actors[replica_id].unpin.remote(pin_id)
+
+    # ---------------------------------------------------------------- replicas
+    def stats(self) -> dict[int, dict[str, float]]:
+        """Each live replica's engine counters."""
+        ids = self.router.replica_ids
+        return dict(
+            zip(ids, self._ray.get([self.actors[i].stats.remote() for i in ids]), strict=True)
+        )
+
+    def check_integrity(self) -> None:
+        """Assert every live replica's engine invariants."""
+        ids = self.router.replica_ids
+        self._ray.get([self.actors[i].check_integrity.remote() for i in ids])
+
+    def flush_caches(self) -> int:
+        """Evict every unlocked cached token on every live replica; how many in all."""
+        ids = self.router.replica_ids
+        return sum(self._ray.get([self.actors[i].flush_cache.remote() for i in ids]))
+
+    def describe(self, replica_id: int) -> tuple[Any, int]:
+        """A replica's model architecture and KV pool size in slots."""
+        return self._ray.get(self.actors[replica_id].describe.remote())
+
+    def abort(self, rid: str) -> None:
+        """Abort a request where it runs (nothing if it already finished)."""
+        replica_id = self.router.replica_of(rid)
+        if replica_id is not None:
+            self.actors[replica_id].abort.remote(rid)
+
+    def set_router_config(self, config: RouterConfig) -> None:
+        """Route with another policy or thresholds from now on."""
+        self.router.config = config
+
+    def wait_for_events(self, timeout_s: float = 10.0) -> None:
+        """Block until the router's trees have caught up with every live replica's events."""
+        deadline = time.monotonic() + timeout_s
+        ids = self.router.replica_ids
+        snapshots = self._ray.get([self.actors[i].peek_snapshot.remote() for i in ids])
+        for replica_id, snapshot in zip(ids, snapshots, strict=True):
+            while self.router.tree(replica_id).last_seq < snapshot.seq:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"replica {replica_id}'s events did not arrive in time")
+                time.sleep(0.01)
+
+    def _lost(self, replica_id: int) -> None:
+        """A replica died: stop routing to it; watch for Ray's restart to let it rejoin."""
+        with self._lock:
+            if replica_id not in self.router.replica_ids:
+                return
+            self.router.remove_replica(replica_id)
+            self._rejoining.add(replica_id)
+        threading.Thread(target=self._rejoin, args=(replica_id,), daemon=True).start()
+
+    def _rejoin(self, replica_id: int) -> None:
+        ray = self._ray
+        while not self._closed.is_set():
+            try:
+                snapshot = ray.get(self.actors[replica_id].snapshot.remote())
+            except ray.exceptions.RayActorError:
+                time.sleep(REJOIN_POLL_S)  # not restarted yet (or for good: max_restarts)
+                continue
+            with self._lock:
+                self.router.add_replica(replica_id, snapshot)
+                self._rejoining.discard(replica_id)
+            return
+
+    def _pump_events(self) -> None:
+        """Follow every live replica's KV events into the router until closed."""
+        ray = self._ray
+        while not self._closed.is_set():
+            ids = self.router.replica_ids
+            refs = [self.actors[i].poll_events.remote(EVENT_POLL_S) for i in ids]
+            for replica_id, ref in zip(ids, refs, strict=True):
+                try:
+                    events = ray.get(ref)
+                    if events is None:
+                        raise MirrorDesyncError("the replica dropped events for this reader")
+                    self.router.apply_events(replica_id, events)
+                except MirrorDesyncError:
+                    self._resync(replica_id)
+                except ray.exceptions.RayActorError:
+                    self._lost(replica_id)
+            if not ids:
+                time.sleep(EVENT_POLL_S)
+
+    def _resync(self, replica_id: int) -> None:
+        snapshot = self._ray.get(self.actors[replica_id].snapshot.remote())
+        if replica_id in self.router.replica_ids:
+            self.router.resync(replica_id, snapshot)
+
+    def close(self) -> None:
+        """Stop the pump and the replicas (Ray itself is left running)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._pump.join(timeout=5)
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        for actor in self.actors.values():
+            self._ray.kill(actor, no_restart=True)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,154 @@
+"""ClusterEngine: the Engine surface the HTTP server uses, in front of a Cluster.
+
+`create_app(ClusterEngine(cluster), settings)` serves the same SGLang, OpenAI and flowlang
+routes as one engine. Requests are validated here, at the front (a bad one gets its 4xx before
+it is routed), then routed; an answer comes whole (no token streaming across replicas: a
+streaming client gets one chunk, then the end).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from runtime.cluster.cluster import Cluster
+from runtime.errors import EngineClosedError, InvalidRequestError
+from runtime.handles import RequestHandle
+from runtime.intake import RequestIntake
+from runtime.model.registry import resolve_model
+from runtime.protocol import GenerateRequest, GraphHints, ScoreRequest, StreamChunk
+from runtime.results import error_result
+
+
+class _Scorer:
+    """`engine.scorer.score(request, cancel)` for the server's score routes."""
+
+    def __init__(self, front: ClusterEngine) -> None:
+        self._front = front
+
+    def score(self, request: ScoreRequest, cancel: Any = None) -> Any:
+        """Score on the replica caching most of the prefix (`cancel` is not forwarded)."""
+        front = self._front
+        prefix_ids = front.intake.tokens(request.prefix, special=True)
+        routed = request.model_copy(update={"prefix": prefix_ids})
+        return front.cluster.score(routed)
+
+
+class ClusterEngine:
+    """What `runtime.server` needs of an Engine, served by a Cluster's replicas."""
+
+    def __init__(self, cluster: Cluster, owns_cluster: bool = True) -> None:
+        self.cluster = cluster
+        self.owns_cluster = owns_cluster  # close() stops the replicas
+        self.config = cluster.engine_config
+        first = cluster.router.replica_ids[0]
+        self.arch, num_slots = cluster.describe(first)
+        self.tokenizer = _load_tokenizer(self.config.model)
+        self.intake = RequestIntake(self.config, self.arch, self.tokenizer, num_slots)
+        self.scorer = _Scorer(self)
+        self._closed = False
+
+    # ---------------------------------------------------------------- requests
+    def submit(
+        self, request: GenerateRequest, loop: asyncio.AbstractEventLoop | None = None
+    ) -> RequestHandle:
+        """Validate, route and run; the handle gets one chunk and the result."""
+        self._check_open()
+        req = self.intake.generate_req(request)  # InvalidRequestError: the client's 4xx
+        if request.input_ids is None:  # route (and run) on the ids validated here
+            request = request.model_copy(update={"input_ids": list(req.prompt_ids), "text": None})
+        handle = RequestHandle(request.rid, self.abort, loop)
+        future = self.cluster.submit(request)
+        future.add_done_callback(lambda done: _deliver(handle, request.rid, done))
+        return handle
+
+    def pin(self, prefix: Any, namespace: str | None = None, hints: GraphHints | None = None):
+        """Pin a prefix on one replica; its readers are routed there."""
+        self._check_open()
+        return self.cluster.pin(self.intake.tokens(prefix, special=True), namespace, hints)
+
+    def abort(self, rid: str) -> None:
+        """Abort a request on the replica running it."""
+        self.cluster.abort(rid)
+
+    def flush_cache(self) -> int:
+        """Evict every unlocked cached token on every replica."""
+        return self.cluster.flush_caches()
+
+    # ---------------------------------------------------------------- state
+    def stats(self) -> dict[str, float]:
+        """Every replica's counters summed, and how many replicas are live."""
+        per_replica = self.cluster.stats()
+        total: dict[str, float] = {"replicas_live": len(per_replica)}
+        for stats in per_replica.values():
+            for key, value in stats.items():
+                if isinstance(value, int | float) and not key.endswith("_rate"):
+                    total[key] = total.get(key, 0) + value
+        cached, computed = total.get("cached_tokens_total", 0), total.get("prefill_tokens_total", 0)
+        total["cache_hit_rate"] = cached / (cached + computed) if cached + computed else 0.0
+        return total
+
+    def subscribe_kv_events(self, max_pending_events: int = 100_000) -> Any:
+        """Not at the front: each replica has its own stream."""
+        raise InvalidRequestError("KV events are per replica; the router front has none")
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether any replica is routed to."""
+        return not self._closed and bool(self.cluster.router.replica_ids)
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the front cannot serve, if it cannot."""
+        return None if self.is_alive or self._closed else "no live replica"
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() was called."""
+        return self._closed
+
+    def close(self, drain_timeout: float = 0.0) -> None:
+        """Stop the cluster's replicas (after up to `drain_timeout` seconds of draining)."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + drain_timeout
+        while sum(self.cluster.router.loads().values()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.owns_cluster:
+            self.cluster.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the cluster front is closed")
+
+
+def _deliver(handle: RequestHandle, rid: str, done: Future) -> None:
+    """Hand a routed request's one result to its handle (as one chunk, then the result)."""
+    try:
+        result = done.result()
+    except Exception as err:  # noqa: BLE001 - the client gets it as its request's error
+        result = error_result(rid, f"the cluster could not run the request: {err}")
+    chunk = StreamChunk(
+        text=result.text,
+        output_ids=list(result.output_ids),
+        num_output_tokens=result.completion_tokens,
+        num_prompt_tokens=result.prompt_tokens,
+        cached_tokens=result.cached_tokens,
+        logprobs=list(result.logprobs or []),
+    )
+    try:
+        handle.push_chunk(chunk)
+    finally:
+        handle.deliver(result)
+
+
+def _load_tokenizer(model: str) -> Any:
+    """The model's tokenizer in the front process (None for random-weight models)."""
+    if model.startswith("random:"):
+        return None
+    from runtime.model.loader import load_tokenizer
+
+    return load_tokenizer(resolve_model(model))

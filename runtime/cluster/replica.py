@@ -1,0 +1,107 @@
+"""One replica: an Engine inside a Ray actor, with its KV event subscription.
+
+The class is plain Python (testable in-process); `replica_actor_class` wraps it with
+`ray.remote`. The actor is threaded (`max_concurrency`): the Engine is thread-safe, and a long
+`generate` must not hold up event polling or health checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.cache.events import KVEvent, KVEventsLostError, KVSnapshot
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.handles import PinHandle
+from runtime.protocol import GenerateRequest, GenerateResult, GraphHints, PinInfo, ScoreRequest
+
+ACTOR_MAX_CONCURRENCY = 64  # calls in flight per replica (requests, polls, health checks)
+
+
+class Replica:
+    """An engine plus what a router needs from it: events, load, health."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.engine = Engine(EngineConfig(**config))
+        self._subscription = self.engine.subscribe_kv_events()
+        self._pins: dict[str, PinHandle] = {}
+
+    def snapshot(self) -> KVSnapshot:
+        """A fresh subscription's snapshot (the router resyncs with it); older events end."""
+        self._subscription.close()
+        self._subscription = self.engine.subscribe_kv_events()
+        return self._subscription.snapshot
+
+    def peek_snapshot(self) -> KVSnapshot:
+        """The tree as a snapshot, leaving the router's subscription alone (for checks)."""
+        subscription = self.engine.subscribe_kv_events()
+        subscription.close()
+        return subscription.snapshot
+
+    def flush_cache(self) -> int:
+        """Evict every unlocked cached token (between benchmark runs)."""
+        return self.engine.flush_cache()
+
+    def poll_events(self, timeout_s: float) -> list[KVEvent] | None:
+        """Pending KV events; None if the router fell behind and must call `snapshot`."""
+        try:
+            return self._subscription.poll(timeout_s)
+        except KVEventsLostError:
+            return None
+
+    def generate(self, request: GenerateRequest) -> tuple[GenerateResult, int]:
+        """Run one request; also return the event seq that covers its insert into the tree."""
+        (result,) = self.engine.generate(request)
+        return result, self._subscription.last_seq
+
+    def score(self, request: ScoreRequest) -> tuple[Any, int]:
+        """Score continuations; also return the event seq after it."""
+        (result,) = self.engine.score(request)
+        return result, self._subscription.last_seq
+
+    def pin(
+        self, prefix_ids: list[int], namespace: str | None, hints: GraphHints | None
+    ) -> PinInfo:
+        """Pin a prefix here; the router sends the pin's readers to this replica."""
+        handle = self.engine.pin(prefix_ids, namespace, hints)
+        self._pins[handle.info.pin_id] = handle
+        return handle.info
+
+    def unpin(self, pin_id: str) -> None:
+        """Release a pin (unknown ids are ignored: the pin died with an earlier incarnation)."""
+        handle = self._pins.pop(pin_id, None)
+        if handle is not None:
+            handle.release()
+
+    def describe(self) -> tuple[Any, int]:
+        """The model's architecture and the KV pool's size in slots (for a router front)."""
+        return self.engine.arch, self.engine.intake.num_slots
+
+    def abort(self, rid: str) -> None:
+        """Abort a request running here."""
+        self.engine.abort(rid)
+
+    def stats(self) -> dict[str, float]:
+        """The engine's counters."""
+        return self.engine.stats()
+
+    def check_integrity(self) -> None:
+        """Assert the engine's invariants."""
+        self.engine.check_integrity()
+
+    def health(self) -> bool:
+        """Whether the engine's loop runs."""
+        return self.engine.is_alive
+
+
+def replica_actor_class(num_cpus: float, num_gpus: float, max_restarts: int):
+    """`Replica` as a Ray actor class with these resources (Ray restarts a dead one)."""
+    from runtime.cluster.ray_support import require_ray
+
+    ray = require_ray()
+    return ray.remote(
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        max_restarts=max_restarts,
+        max_concurrency=ACTOR_MAX_CONCURRENCY,
+    )(Replica)

@@ -1,0 +1,230 @@
+"""The router's state: per replica, the tree its KV events describe, the prompts it is running,
+and the pins it holds; `route` applies a policy (policy.py) to it.
+
+Thread-safe (one lock): clients route from many threads while an event pump applies events.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from runtime.cache.events import KVEvent, KVSnapshot
+from runtime.cluster.mirror import MirrorTree
+from runtime.cluster.policy import (
+    RouterConfig,
+    choose_approximate,
+    choose_cache_aware,
+    least_loaded,
+)
+from runtime.prefix import common_prefix_len
+
+ReplicaId = Hashable
+
+
+class NoReplicaError(RuntimeError):
+    """No live replica to route to (all died, or none was added)."""
+
+
+@dataclass
+class _Replica:
+    tree: MirrorTree  # exact: fed by the replica's KV events
+    approx: MirrorTree  # `approximate` policy: every prompt routed here, never evicted
+    running: dict[str, tuple[Hashable, tuple[int, ...]]] = field(default_factory=dict)
+    # finished requests whose insert events have not arrived: (event seq, rid)
+    unconfirmed: list[tuple[int, str]] = field(default_factory=list)
+
+
+class Router:
+    """Chooses a replica per request; honours pins and placement preferences.
+
+    >>> router = Router(RouterConfig(policy="round_robin"))
+    >>> router.add_replica("r0"); router.add_replica("r1")
+    >>> [router.route(f"q{i}", [1, 2, 3]) for i in range(3)]
+    ['r0', 'r1', 'r0']
+    """
+
+    def __init__(self, config: RouterConfig | None = None, page_size: int = 1) -> None:
+        self.config = config or RouterConfig()
+        self.page_size = page_size
+        self._replicas: dict[ReplicaId, _Replica] = {}
+        self._rid_replica: dict[str, ReplicaId] = {}
+        self._pins: dict[str, tuple[ReplicaId, Hashable, tuple[int, ...]]] = {}
+        self._turn = itertools.count()
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------- membership
+    @property
+    def replica_ids(self) -> list[ReplicaId]:
+        """Live replicas, in the order they were added."""
+        with self._lock:
+            return list(self._replicas)
+
+    def add_replica(self, replica_id: ReplicaId, snapshot: KVSnapshot | None = None) -> None:
+        """Start routing to a replica whose tree is `snapshot` (empty if None)."""
+        tree = MirrorTree(self.page_size)
+        if snapshot is not None:
+            tree.load(snapshot)
+        with self._lock:
+            if replica_id in self._replicas:
+                raise ValueError(f"replica {replica_id!r} is already routed to")
+            self._replicas[replica_id] = _Replica(tree, MirrorTree(self.page_size))
+
+    def remove_replica(self, replica_id: ReplicaId) -> list[str]:
+        """Drop a (dead) replica, its tree and its pins; return the request ids it was running
+        (the caller re-runs them elsewhere)."""
+        with self._lock:
+            replica = self._replicas.pop(replica_id)
+            for rid in replica.running:
+                del self._rid_replica[rid]
+            self._pins = {p: pin for p, pin in self._pins.items() if pin[0] != replica_id}
+            return list(replica.running)
+
+    def resync(self, replica_id: ReplicaId, snapshot: KVSnapshot) -> None:
+        """Replace a replica's tree with a fresh snapshot (after lost events)."""
+        with self._lock:
+            replica = self._replicas[replica_id]
+            replica.tree.load(snapshot)
+            self._confirm(replica)
+
+    def apply_events(self, replica_id: ReplicaId, events: Iterable[KVEvent]) -> None:
+        """Follow a replica's tree; raises MirrorDesyncError on a gap (then `resync`)."""
+        with self._lock:
+            replica = self._replicas.get(replica_id)
+            if replica is not None:  # events still in flight from a replica just removed
+                replica.tree.apply_all(events)
+                self._confirm(replica)
+
+    # ---------------------------------------------------------------- routing
+    def route(
+        self,
+        rid: str,
+        token_ids: Sequence[int],
+        namespace: Hashable = None,
+        prefer: ReplicaId | None = None,
+    ) -> ReplicaId:
+        """Pick a replica for a request and count it as running there until `finish(rid)`.
+        `prefer` (a placement's choice), if live, wins; else a live pin whose prefix the
+        request extends sends it to the pin's replica; else the policy decides."""
+        ids = tuple(token_ids)
+        with self._lock:
+            if not self._replicas:
+                raise NoReplicaError("no live replica to route to")
+            if rid in self._rid_replica:
+                raise ValueError(f"request id {rid!r} is already routed")
+            if prefer not in self._replicas:
+                prefer = self._pin_reader_replica(ids, namespace)
+            chosen = prefer if prefer is not None else self._choose(ids, namespace)
+            replica = self._replicas[chosen]
+            replica.running[rid] = (namespace, ids)
+            if self.config.policy == "approximate":
+                replica.approx.insert(ids, namespace)
+            self._rid_replica[rid] = chosen
+            return chosen
+
+    def finish(self, rid: str, after_seq: int | None = None) -> None:
+        """The request ended: it no longer loads its replica. With `after_seq` (the replica's
+        event seq when it answered), its prompt keeps counting as cached there until that
+        event has been applied, so no request in between misses what it inserted."""
+        with self._lock:
+            replica_id = self._rid_replica.get(rid)
+            if replica_id is None:
+                return
+            replica = self._replicas[replica_id]
+            if after_seq is not None and replica.tree.last_seq < after_seq:
+                replica.unconfirmed.append((after_seq, rid))
+                return
+            del self._rid_replica[rid]
+            replica.running.pop(rid, None)
+
+    def replica_of(self, rid: str) -> ReplicaId | None:
+        """Where a routed request runs (None once finished)."""
+        with self._lock:
+            return self._rid_replica.get(rid)
+
+    def place_pin(
+        self,
+        pin_id: str,
+        replica_id: ReplicaId,
+        prefix_ids: Sequence[int] = (),
+        namespace: Hashable = None,
+    ) -> None:
+        """Record that a pin of `prefix_ids` lives on `replica_id`: requests that extend the
+        prefix (its readers, e.g. a fork's branches) go there."""
+        with self._lock:
+            self._pins[pin_id] = (replica_id, namespace, tuple(prefix_ids))
+
+    def release_pin(self, pin_id: str) -> None:
+        """Forget a released pin."""
+        with self._lock:
+            self._pins.pop(pin_id, None)
+
+    def replica_of_pin(self, pin_id: str) -> ReplicaId | None:
+        """Where a pin lives, or None if unknown (released, or its replica died)."""
+        with self._lock:
+            pin = self._pins.get(pin_id)
+            return pin[0] if pin is not None else None
+
+    # ---------------------------------------------------------------- reads
+    def loads(self) -> dict[ReplicaId, int]:
+        """Requests in flight per replica."""
+        with self._lock:
+            return {r: len(rep.running) for r, rep in self._replicas.items()}
+
+    def match_lens(self, token_ids: Sequence[int], namespace: Hashable = None) -> dict:
+        """Per replica, how much of `token_ids` it caches or is computing now."""
+        ids = tuple(token_ids)
+        with self._lock:
+            return {r: self._match_len(rep, ids, namespace) for r, rep in self._replicas.items()}
+
+    def tree(self, replica_id: ReplicaId) -> MirrorTree:
+        """The event-fed tree of a replica (read it only while no events are applied)."""
+        with self._lock:
+            return self._replicas[replica_id].tree
+
+    # ---------------------------------------------------------------- internals
+    def _confirm(self, replica: _Replica) -> None:
+        """Finish the requests whose insert events the tree has now applied."""
+        still = []
+        for seq, rid in replica.unconfirmed:
+            if seq <= replica.tree.last_seq:
+                self._rid_replica.pop(rid, None)
+                replica.running.pop(rid, None)
+            else:
+                still.append((seq, rid))
+        replica.unconfirmed = still
+
+    def _choose(self, ids: tuple[int, ...], namespace: Hashable) -> ReplicaId:
+        replica_ids = list(self._replicas)
+        loads = [len(self._replicas[r].running) for r in replica_ids]
+        policy = self.config.policy
+        if policy == "round_robin":
+            return replica_ids[next(self._turn) % len(replica_ids)]
+        if policy == "least_loaded":
+            return replica_ids[least_loaded(loads)]
+        if policy == "cache_aware":
+            matches = [self._match_len(self._replicas[r], ids, namespace) for r in replica_ids]
+            return replica_ids[choose_cache_aware(matches, loads, self.config)]
+        approx = [self._replicas[r].approx for r in replica_ids]
+        matches = [tree.match_len(ids, namespace) for tree in approx]
+        sizes = [tree.num_tokens for tree in approx]
+        return replica_ids[choose_approximate(matches, loads, sizes, len(ids), self.config)]
+
+    def _pin_reader_replica(self, ids: tuple[int, ...], namespace: Hashable) -> ReplicaId | None:
+        """The replica of the longest live pin whose prefix `ids` extends (None: none)."""
+        best, best_len = None, 0
+        for replica_id, pin_ns, prefix in self._pins.values():
+            if pin_ns == namespace and best_len < len(prefix) <= len(ids):
+                if ids[: len(prefix)] == prefix:
+                    best, best_len = replica_id, len(prefix)
+        return best
+
+    def _match_len(self, replica: _Replica, ids: tuple[int, ...], namespace: Hashable) -> int:
+        """Exact cached match, or a running prompt's (its KV is being computed), whole pages."""
+        best = replica.tree.match_len(ids, namespace)
+        for running_ns, prompt in replica.running.values():
+            if running_ns == namespace and len(prompt) > best:
+                best = max(best, common_prefix_len(prompt, ids))
+        return best - best % self.page_size

@@ -1,0 +1,215 @@
+"""Two engine replicas as Ray actors (local Ray, tiny model): the same greedy outputs as one
+engine, event-fed trees equal to the replicas' own, the computed-token counts of each routing
+policy and of graph-aware placement, and a replica killed mid-run. Counts, never times."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+import flowlang as fl
+from flowlang import gen, program
+from flowlang.backends.cluster import ClusterBackend
+from flowlang.backends.local import LocalBackend
+from programs import support_agent, tree_of_thought
+from runtime.cluster.cluster import Cluster, ClusterConfig
+from runtime.cluster.policy import RouterConfig
+from runtime.cluster.ray_support import init_ray
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.prefix import common_prefix_len, union_prefix_tokens
+from runtime.protocol import GenerateRequest, SamplingParams
+
+MAX_KV_TOKENS = 16_384  # per replica: W1 at test size fits, small enough for two on 2 cores
+
+
+@pytest.fixture(scope="module")
+def engine_config(tiny_model_dir):
+    return EngineConfig(model=str(tiny_model_dir), max_kv_tokens=MAX_KV_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def cluster(engine_config):
+    init_ray(num_cpus=2)
+    with Cluster(engine_config, ClusterConfig(num_replicas=2)) as running:
+        yield running
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def single(engine_config):
+    with Engine(engine_config) as engine:
+        yield engine
+
+
+@pytest.fixture
+def fresh(cluster):
+    """Empty caches and the default router before each test."""
+    cluster.set_router_config(RouterConfig())
+    cluster.flush_caches()
+    cluster.wait_for_events()
+    return cluster
+
+
+def _computed(cluster: Cluster) -> dict[int, float]:
+    return {i: s["prefill_tokens_total"] for i, s in cluster.stats().items()}
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {i: after[i] - before.get(i, 0) for i in after}
+
+
+def _leaf_paths(snapshot) -> dict:
+    """Maximal cached paths from a snapshot's edges (no MirrorTree code involved)."""
+    paths: dict = {}
+    parents: dict = {}
+    for event in snapshot.stored:
+        paths.setdefault(event.namespace, set()).add(event.token_ids)
+        parents.setdefault(event.namespace, set()).add(event.token_ids[: event.start_len])
+    return {ns: frozenset(p - parents[ns]) for ns, p in paths.items()}
+
+
+def test_w1_w3_greedy_outputs_equal_one_engine_and_trees_follow_events(fresh, single):
+    local = LocalBackend(single)
+    backend = ClusterBackend(fresh, single.tokenizer)
+    w1 = support_agent.batch_args(support_agent.make_inputs(single.tokenizer, "test"))
+    w3 = [{"question": q} for q in tree_of_thought.make_inputs(single.tokenizer, "test")]
+    for prog, batch in ((support_agent.support_agent, w1), (tree_of_thought.tree_of_thought, w3)):
+        expected = prog.run_batch(batch, backend=local, progress=False)
+        placed = backend.run_batch(prog, batch)
+        assert all(isinstance(s, fl.ProgramState) for s in placed), placed
+        assert [s.variables() for s in placed] == [s.variables() for s in expected]
+    fresh.wait_for_events()
+    for replica_id in fresh.router.replica_ids:
+        truth = ray.get(fresh.actors[replica_id].peek_snapshot.remote())
+        assert fresh.router.tree(replica_id).leaf_paths() == _leaf_paths(truth)
+        assert truth.stored, "each replica ran part of the batch"
+    fresh.check_integrity()
+
+
+def test_cache_aware_is_near_the_bound_and_round_robin_repeats_the_shared_prefix(fresh, single):
+    prompts = support_agent.first_turn_ids(
+        single.tokenizer, support_agent.make_inputs(single.tokenizer, "test")
+    )
+    bound = union_prefix_tokens(prompts)  # one turn: nothing decoded is reused
+    shared_len = min(common_prefix_len(prompts[0], p) for p in prompts)
+    computed = {}
+    for policy in ("cache_aware", "round_robin"):
+        fresh.set_router_config(RouterConfig(policy=policy))
+        fresh.flush_caches()
+        fresh.wait_for_events()
+        before = _computed(fresh)
+        sampling = SamplingParams(max_new_tokens=2, temperature=0.0)
+        results = fresh.generate([GenerateRequest(input_ids=p, sampling=sampling) for p in prompts])
+        assert all(r.finish_reason == "length" for r in results), results
+        computed[policy] = _delta(before, _computed(fresh))
+    assert sum(computed["cache_aware"].values()) <= 1.05 * bound
+    round_robin = computed["round_robin"]
+    assert min(round_robin.values()) >= shared_len  # every replica computed the shared prompt
+    assert sum(round_robin.values()) >= bound + shared_len
+
+
+@program
+def grouped(s, prefix: str, question: str):
+    """A long per-group prefix, then a short per-instance question."""
+    s += prefix + "\n" + question
+    s += gen("answer", max_new_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+def test_graph_aware_placement_computes_less_than_routing_request_by_request(fresh, single):
+    """Four groups of four instances. Routed one request at a time (all in flight together, a
+    tight balance guard), some group is split across the replicas and its prefix computed
+    twice; placed as a batch, each group lands whole on one replica."""
+    words = ["amber", "birch", "cedar", "delta", "ember", "fjord", "grove", "harbor"]
+    prefixes = [" ".join(words[(g + i * 3) % 8] for i in range(220)) for g in range(4)]
+    batch = [
+        {"prefix": f"Group {g}: {prefixes[g]}", "question": f"Question {i} of {g}?"}
+        for g in range(4)
+        for i in range(4)
+    ]
+    backend = ClusterBackend(fresh, single.tokenizer)
+    fresh.set_router_config(RouterConfig(policy="cache_aware", balance_abs_threshold=2))
+    prompts = [grouped.compile(backend=backend, **args).first_prompt() for args in batch]
+    sampling = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+
+    before = _computed(fresh)
+    routed = fresh.generate(
+        [GenerateRequest(input_ids=list(p), sampling=sampling) for p in prompts]
+    )
+    routed_tokens = sum(_delta(before, _computed(fresh)).values())
+
+    fresh.flush_caches()
+    fresh.wait_for_events()
+    before = _computed(fresh)
+    placed = backend.run_batch(grouped, batch)
+    placed_tokens = sum(_delta(before, _computed(fresh)).values())
+    assert [state["answer"] for state in placed] == [r.text for r in routed]
+    assert placed_tokens < routed_tokens
+    assert placed_tokens <= union_prefix_tokens(prompts) + 8  # only "Group" twice
+
+
+def test_replica_killed_mid_run_loses_no_request_and_rejoins_empty(fresh, single):
+    fresh.set_router_config(RouterConfig(policy="round_robin"))
+    sampling = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
+    requests = [
+        GenerateRequest(input_ids=[5 + i] * 40 + list(range(100, 160)), sampling=sampling)
+        for i in range(12)
+    ]
+    expected = [r.output_ids for r in single.generate(requests)]
+    reruns_before = fresh.num_reruns
+    futures = [fresh.submit(r) for r in requests]
+    deadline = time.monotonic() + 30
+    while min(fresh.router.loads().values()) == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)  # both replicas are running requests
+    ray.kill(fresh.actors[1], no_restart=False)
+    results = [f.result(timeout=120) for f in futures]
+    assert [r.rid for r in results] == [r.rid for r in requests]  # one answer each
+    assert [r.output_ids for r in results] == expected  # re-runs are the same greedy answer
+    assert fresh.num_reruns > reruns_before
+    survivor = fresh.stats()[0]
+    assert survivor["kv_slots_used"] == survivor["cache_tokens"], "a slot leaked"
+    assert survivor["num_running"] == 0 and survivor["num_pins"] == 0
+    deadline = time.monotonic() + 90
+    while 1 not in fresh.router.replica_ids:
+        assert time.monotonic() < deadline, "Ray did not bring the replica back"
+        time.sleep(0.1)
+    assert fresh.router.tree(1).num_tokens == 0  # it rejoined empty
+    assert fresh.stats()[1]["requests_finished_total"] == 0
+    fresh.check_integrity()
+
+
+def test_http_front_serves_the_same_api_and_refuses_bad_input(fresh, single):
+    """`flowlang serve --replicas 2`'s app: SGLang and OpenAI routes answer as one engine
+    would; bad input is a 400 from the front, never a hung request."""
+    import httpx
+    from conftest import ServerThread
+
+    from runtime.cluster.front import ClusterEngine
+
+    thread = ServerThread(ClusterEngine(fresh, owns_cluster=False))
+    try:
+        with httpx.Client(base_url=thread.url, timeout=60) as client:
+            ids = list(range(300, 360))
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+            reply = client.post("/generate", json=body)
+            assert reply.status_code == 200, reply.text
+            sampling = SamplingParams(max_new_tokens=6, temperature=0.0)
+            (expected,) = single.generate(GenerateRequest(input_ids=ids, sampling=sampling))
+            assert reply.json()["output_ids"] == expected.output_ids
+            chat = client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "m",
+                    "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 4,
+                },
+            )
+            assert chat.status_code == 200, chat.text
+            bad = client.post("/generate", json={**body, "input_ids": [10**9]})
+            assert bad.status_code == 400 and "token id" in bad.text
+            assert client.get("/health").status_code == 200
+    finally:
+        thread.stop()
+    assert fresh.router.replica_ids  # the front did not stop the cluster it does not own
