@@ -149,7 +149,8 @@ class Cluster:
                 self.router.finish(rid)
                 self._lost(replica_id)
                 prefer = None
-                self.num_reruns += 1
+                with self._lock:  # callers run on many threads
+                    self.num_reruns += 1
                 continue
             except ray.exceptions.RayTaskError as err:  # the engine refused it: its own error
                 self.router.finish(rid)
