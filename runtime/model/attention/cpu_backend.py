@@ -23,8 +23,7 @@ from runtime.model.attention.cascade import (
     merge_partial,
     prefix_of_one,
 )
-from runtime.model.attention.torch_backend import SeqSpan, TorchAttention, sequences_of
-from runtime.model.batch import ForwardBatch
+from runtime.model.attention.torch_backend import SeqSpan, TorchAttention
 
 
 @dataclass
@@ -77,30 +76,27 @@ class CpuPagedAttention(TorchAttention):
         self._prefix_workspace = torch.empty((2, 0, *pool.k[0].shape[1:]), dtype=pool.dtype)
         self.cascade_passes = 0  # forward passes that attended a shared prefix once
 
-    def plan(self, batch: ForwardBatch) -> None:
-        self._out_slots = batch.out_slots
-        self._num_tokens = batch.num_tokens
-        self._mask_cache = {}
-        seqs = sequences_of(batch)
+    def plan_sequences(self, seqs: list[SeqSpan]) -> None:
+        """Cascades for the sequences that share a long cached prefix; the rest as before."""
         shared = []
         if self._cascade_enabled:
             prefix_lens = [s.prefix_len for s in seqs]
-            shared = find_shared_prefixes(batch.kv_slots, prefix_lens, self.min_shared_tokens)
-        in_cascade = {i for group in shared for i in group.members}
-        # a long extend after a long cached prefix is a cascade of one: the prefix needs no
-        # mask (folded flash), the new tokens plain causal attention
-        for i, seq in enumerate(seqs):
-            if (
-                self._cascade_enabled
-                and i not in in_cascade
+            slots = [s.slots for s in seqs]
+            shared = find_shared_prefixes(slots, prefix_lens, self.min_shared_tokens)
+            grouped = {i for group in shared for i in group.members}
+            # a long extend after a long cached prefix is a cascade of one: the prefix needs
+            # no mask (folded flash), the new tokens plain causal attention
+            shared += [
+                prefix_of_one(i, seq.slots[: seq.prefix_len])
+                for i, seq in enumerate(seqs)
+                if i not in grouped
                 and seq.num_new > self.max_kernel_extend
                 and seq.prefix_len >= self.min_shared_tokens
-            ):
-                shared.append(prefix_of_one(i, seq.slots[: seq.prefix_len]))
-                in_cascade.add(i)
+            ]
+        in_cascade = {i for group in shared for i in group.members}
         self._cascades = [self._plan_cascade(group, seqs) for group in shared]
         self.cascade_passes += bool(self._cascades)
-        self.plan_sequences([s for i, s in enumerate(seqs) if i not in in_cascade])
+        super().plan_sequences([s for i, s in enumerate(seqs) if i not in in_cascade])
 
     def _in_decode_group(self, ext_len: int, seq_len: int) -> bool:
         return ext_len <= self.max_kernel_extend
@@ -109,17 +105,22 @@ class CpuPagedAttention(TorchAttention):
         return paged_decodes(rows, slots, extend_lens)
 
     def _attend_decodes(self, layer: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
-        out, _ = self._kernels.paged_attention(
+        return self._paged(layer, q, self.decode_group, window)[0]
+
+    def _paged(
+        self, layer: int, q: torch.Tensor, decodes: PagedDecodes, window: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The native kernel over `decodes`' key slots: out (rows, heads, d), lse (rows, heads)."""
+        return self._kernels.paged_attention(
             q.contiguous(),
             self.pool.k[layer],
             self.pool.v[layer],
-            self.decode_group.slots,
-            self.decode_group.indptr,
-            self.decode_group.qo_indptr,
+            decodes.slots,
+            decodes.indptr,
+            decodes.qo_indptr,
             q.shape[-1] ** -0.5,
             window or 0,
         )
-        return out
 
     def _plan_cascade(self, prefix: SharedPrefix, seqs: list[SeqSpan]) -> _Cascade:
         rows, short_rows, short_slots, short_new, long = [], [], [], [], []
@@ -140,17 +141,18 @@ class CpuPagedAttention(TorchAttention):
         short = paged_decodes(short_rows, short_slots, short_new) if short_rows else None
         return _Cascade(prefix, torch.tensor(rows), short, long)
 
-    def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        if not self._cascades:
-            return super().forward(layer, q, k, v)
-        self.pool.write(layer, self._out_slots, k, v)
-        out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
-        self.attend_into(layer, q, k, v, None, out)
-        for cascade in self._cascades:
+    def attend_into(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None,
+        out: torch.Tensor,
+    ) -> None:
+        super().attend_into(layer, q, k, v, window, out)
+        for cascade in self._cascades:  # none for windowed models
             out[cascade.rows] = self._attend_cascade(layer, cascade, q[cascade.rows], k, v)
-        return out.reshape(self._num_tokens, -1)
 
     def _attend_cascade(
         self, layer: int, cascade: _Cascade, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -163,17 +165,8 @@ class CpuPagedAttention(TorchAttention):
         out_suffix = torch.empty_like(q)
         lse_suffix = torch.empty(q.shape[:2], dtype=torch.float32)
         if cascade.short is not None:
-            short = cascade.short
-            out_suffix[short.rows], lse_suffix[short.rows] = self._kernels.paged_attention(
-                q[short.rows].contiguous(),
-                self.pool.k[layer],
-                self.pool.v[layer],
-                short.slots,
-                short.indptr,
-                short.qo_indptr,
-                scale,
-                0,
-            )
+            rows = cascade.short.rows
+            out_suffix[rows], lse_suffix[rows] = self._paged(layer, q[rows], cascade.short, None)
         for part in cascade.long:
             rows = part.local_rows
             if part.mask is None:
