@@ -42,6 +42,12 @@ class EngineConfig(BaseModel):
     )
     max_running_requests: int = Field(256, ge=1)
     attention_backend: str = "auto"
+    disable_cuda_graph: bool = Field(
+        False, description="run decodes eagerly on CUDA (graphs need the flashinfer backend)"
+    )
+    cuda_graph_max_batch_size: int = Field(
+        128, ge=1, description="largest decode batch replayed from a graph; larger ones run eagerly"
+    )
     seed: int = Field(0, description="seeds sampling of requests that have no seed of their own")
     enable_jump_forward: bool = Field(
         True, description="append grammar-forced text without sampling (constrained requests)"

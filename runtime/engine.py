@@ -216,6 +216,7 @@ class Engine:
             return {
                 **self.scheduler.stats(),
                 "forward_passes_total": self.runner.num_forward_passes,
+                "cuda_graph_replays_total": self.runner.num_graph_replays,
                 "attention_backend": self.runner.attention.name,
             }
 

@@ -36,8 +36,13 @@ def test_floor_arithmetic_for_llama3_8b():
     shapes = load_bench().llama3_8b_shapes()
     assert 8.0e9 < shapes.num_params < 8.1e9  # Llama-3-8B: 8.03 B parameters
     assert shapes.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # 128 KiB
+    assert shapes.vocab_params == 128256 * 4096
     floor = shapes.decode_floor_s(batch=1, context_len=1024, bandwidth_bytes_s=4.8e12)
-    assert floor == pytest.approx((shapes.weight_bytes + 1024 * 131072) / 4.8e12)
+    read = shapes.weight_bytes - 2 * shapes.vocab_params + 1024 * 131072  # all but the embedding
+    assert floor == pytest.approx(read / 4.8e12)
+    # 8B: ~16 GFLOP per token in the layers; the head once; attention grows with the context
+    flops = shapes.prefill_flops(1, 1, num_layers=32, hidden=4096)
+    assert flops == pytest.approx(2 * shapes.layer_params + 2 * shapes.vocab_params + 2 * 32 * 4096)
 
 
 def test_random_weight_engine_runs_on_cpu():
@@ -57,46 +62,226 @@ def test_random_weight_engine_runs_on_cpu():
         assert engine.stats()["attention_backend"] in ("cpu", "torch")
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("case", ["prefill", "extend", "decode", "mixed"])
-def test_flashinfer_matches_torch_reference(case):
-    from runtime.cache.allocator import SlotAllocator
+SEQS = {  # (cached tokens, total tokens) per sequence
+    "prefill": [(0, 100)],
+    "extend": [(48, 80)],
+    "decode": [(63, 64), (32, 33)],
+    "mixed": [(0, 40), (64, 90), (31, 32), (95, 96)],
+}
+
+
+def _runner(backend: str, page_size: int, checkpoint, **settings):
     from runtime.config import EngineConfig
     from runtime.model.arch import ModelArch
-    from runtime.model.batch import ForwardBatch
-    from runtime.model.random_weights import random_checkpoint
     from runtime.model.runner import ModelRunner
 
-    checkpoint = random_checkpoint("random:smollm2-135m", torch.bfloat16, "cuda")  # head_dim 64
-    arch = ModelArch.from_hf(checkpoint.hf_config)
-    runners = {
-        name: ModelRunner(
-            arch,
-            checkpoint.weights,
-            4096,
-            EngineConfig(dtype="bfloat16", device="cuda", attention_backend=name, page_size=16),
+    config = EngineConfig(
+        dtype="bfloat16", device="cuda", attention_backend=backend, page_size=page_size, **settings
+    )
+    return ModelRunner(ModelArch.from_hf(checkpoint.hf_config), checkpoint.weights, 4096, config)
+
+
+def _run_case(runner, seqs, page_size: int):
+    """Prefill each sequence's cached part, then one batch of every sequence's new tokens;
+    its logits for every new token. Pages are allocated in reverse so that no sequence's
+    pages are in order (the page table, not adjacency, must carry them)."""
+    from runtime.cache.allocator import SlotAllocator
+    from runtime.model.batch import ForwardBatch
+
+    alloc = SlotAllocator(4096, page_size)
+    slots = []
+    for _, total in seqs:
+        pages = alloc.alloc(-(-total // page_size) * page_size).view(-1, page_size)
+        slots.append(pages.flip(0).reshape(-1)[:total])
+    ids = [[7 + (13 * j) % 997 for j in range(total)] for _, total in seqs]
+    for (cached, _), s, tokens in zip(seqs, slots, ids, strict=True):
+        if cached:
+            runner.forward(ForwardBatch.build([tokens[:cached]], [s[:cached]]))
+    batch = ForwardBatch.build(
+        [t[c:] for (c, _), t in zip(seqs, ids, strict=True)],
+        slots,
+        all_logits=[True] * len(seqs),
+    )
+    return runner.forward(batch)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("case", list(SEQS))
+def test_flashinfer_matches_torch_reference(case, page_size):
+    from runtime.model.random_weights import random_checkpoint
+
+    checkpoint = random_checkpoint("random:llama-3-small", torch.bfloat16, "cuda")
+    outputs = {
+        name: _run_case(
+            _runner(name, page_size, checkpoint, disable_cuda_graph=True), SEQS[case], page_size
         )
         for name in ("torch", "flashinfer")
     }
-    seqs = {
-        "prefill": [(0, 100)],
-        "extend": [(48, 80)],
-        "decode": [(63, 64), (32, 33)],
-        "mixed": [(0, 40), (64, 90), (31, 32), (95, 96)],
-    }[case]
-    outputs = {}
-    for name, runner in runners.items():
-        alloc = SlotAllocator(4096, 16)
-        slots = [alloc.alloc(-(-total // 16) * 16)[:total] for _, total in seqs]
-        ids = [list(range(7, 7 + total)) for _, total in seqs]
-        for (cached, _), s, tokens in zip(seqs, slots, ids, strict=True):
-            if cached:
-                runner.forward(ForwardBatch.build([tokens[:cached]], [s[:cached]]))
-        batch = ForwardBatch.build(
-            [t[c:] for (c, _), t in zip(seqs, ids, strict=True)],
-            slots,
-            all_logits=[True] * len(seqs),
+    torch_logits, fi_logits = outputs["torch"], outputs["flashinfer"]
+    assert fi_logits.shape == torch_logits.shape and fi_logits.isfinite().all()
+    scale = torch_logits.abs().max().item()
+    assert (torch_logits - fi_logits).abs().max().item() < 3e-2 * max(1.0, scale)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_graph_logits_match_eager(page_size):
+    """Teacher-forced decode steps at batch sizes that pad (3 -> 4, 6 -> 8) and one above the
+    largest captured size (eager): graph logits equal eager flashinfer's within bf16 noise, and
+    the greedy choice agrees wherever eager's top two are not within that noise."""
+    from runtime.cache.allocator import SlotAllocator
+    from runtime.model.batch import ForwardBatch
+    from runtime.model.random_weights import random_checkpoint
+
+    checkpoint = random_checkpoint("random:llama-3-small", torch.bfloat16, "cuda")
+    graphs = _runner("flashinfer", page_size, checkpoint, cuda_graph_max_batch_size=8)
+    eager = _runner("flashinfer", page_size, checkpoint, disable_cuda_graph=True)
+    assert graphs.decode_graphs is not None and eager.decode_graphs is None
+    gen = torch.Generator().manual_seed(0)
+    for num_seqs in (1, 3, 6, 11):
+        alloc = SlotAllocator(4096, page_size)
+        lengths = torch.randint(20, 300, (num_seqs,), generator=gen).tolist()
+        steps = 12
+        slots = [alloc.alloc(-(-(n + steps) // page_size) * page_size) for n in lengths]
+        prompts = [torch.randint(3, 32000, (n,), generator=gen).tolist() for n in lengths]
+        tokens = torch.randint(3, 32000, (num_seqs,), generator=gen).tolist()
+        for runner in (graphs, eager):
+            cached = [s[:n] for s, n in zip(slots, lengths, strict=True)]
+            runner.forward(ForwardBatch.build(prompts, cached))
+        replays = graphs.num_graph_replays
+        for step in range(steps):
+            upto = [s[: n + step + 1] for s, n in zip(slots, lengths, strict=True)]
+            batch = ForwardBatch.build([[t] for t in tokens], upto)
+            got, want = graphs.forward(batch), eager.forward(batch)
+            noise = 3e-2 * max(1.0, want.abs().max().item())
+            assert (got - want).abs().max().item() < noise
+            top2 = want.topk(2, dim=-1).values
+            clear = (top2[:, 0] - top2[:, 1]) > 2 * noise
+            assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+            tokens = want.argmax(-1).tolist()
+        expected = 0 if num_seqs > 8 else steps
+        assert graphs.num_graph_replays - replays == expected
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_engine_decodes_token_for_token_with_graphs():
+    """The whole engine, graphs on vs off, greedy: as requests finish the batch shrinks through
+    eager (7 > 4) and padded graph sizes. Tokens agree until the first step where eager's
+    top two logprobs tie within bf16 noise (after which contexts differ)."""
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+    from runtime.protocol import GenerateRequest, SamplingParams
+
+    def requests():
+        return [
+            GenerateRequest(
+                input_ids=[5 + (i * 31 + j * 7) % 30000 for j in range(40 + 23 * i)],
+                sampling=SamplingParams(
+                    max_new_tokens=6 + 5 * i, ignore_eos=True, logprobs=True, top_logprobs=2
+                ),
+            )
+            for i in range(7)
+        ]
+
+    results = {}
+    for graphs_on in (True, False):
+        config = EngineConfig(
+            model="random:llama-3-small",
+            device="cuda",
+            dtype="bfloat16",
+            max_kv_tokens=8192,
+            page_size=16,
+            disable_cuda_graph=not graphs_on,
+            cuda_graph_max_batch_size=4,
         )
-        outputs[name] = runner.forward(batch)
-    assert (outputs["torch"] - outputs["flashinfer"]).abs().max() < 5e-2
+        with Engine(config) as engine:
+            results[graphs_on] = engine.generate(requests())
+            replays = engine.stats()["cuda_graph_replays_total"]
+            assert engine.stats()["attention_backend"] == "flashinfer"
+            assert (replays > 0) if graphs_on else (replays == 0)
+    compared = agreed = 0
+    for with_graphs, eager in zip(results[True], results[False], strict=True):
+        for got, want, logprob in zip(
+            with_graphs.output_ids, eager.output_ids, eager.logprobs, strict=True
+        ):
+            compared += 1
+            if got != want:
+                (_, first), (_, second) = logprob.top[:2]
+                assert first - second < 0.1, "graph and eager decodes differ at a clear choice"
+                break
+            agreed += 1
+    assert agreed >= 0.8 * compared
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rotary_fraction", [1.0, 0.5])
+def test_fused_pointwise_ops_match_the_reference(rotary_fraction):
+    """flashinfer's norm / add+norm / RoPE / SiLU-and-mul kernels against the torch reference,
+    on the shapes the model gives them (q and k as strided views of the fused QKV output)."""
+    from runtime.model.pointwise import FlashInferOps, RopeTables, TorchOps
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    fused, ref = FlashInferOps(), TorchOps()
+    tokens, hidden, heads, kv_heads, head_dim = 37, 1024, 8, 2, 128
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+
+    def close(a, b, tol=2e-2):
+        assert (a.float() - b.float()).abs().max().item() < tol * max(1.0, b.abs().max().item())
+
+    x, residual, weight = randn(tokens, hidden), randn(tokens, hidden), 1 + 0.1 * randn(hidden)
+    close(fused.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5))
+    want_x, want_res = ref.add_rms_norm(x, residual, weight, 1e-5)
+    got_x, got_res = fused.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+    close(got_x, want_x)
+    close(got_res, want_res)
+    gate_up = randn(tokens, 2 * 2048)
+    close(fused.silu_mul(gate_up), ref.silu_mul(gate_up))
+
+    rotary_dim = int(head_dim * rotary_fraction)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    tables = RopeTables.build(inv_freq, 1.0, 4096, torch.bfloat16, torch.device("cuda"), True)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen, device="cuda")
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    want_q, want_k = ref.rope(q.clone(), k.clone(), ref.rope_context(positions, tables))
+    got_q, got_k = fused.rope(q, k, fused.rope_context(positions, tables))
+    close(got_q, want_q)
+    close(got_k, want_k)
+    assert got_q.data_ptr() == qkv.data_ptr()  # rotated in place, in the QKV output
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_sampling_on_the_device():
+    """Rows that need nothing host-only are sampled where the logits are: the distribution
+    after top-k is right, a seed reproduces, greedy rows are argmax; a row that asks for
+    logprobs sends the batch to the host sampler, which still answers."""
+    from runtime.generation import GenerationState
+    from runtime.model.sampler import sample
+    from runtime.protocol import SamplingParams
+
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05, 0.0, 0.0, 0.0])
+    logits = torch.log(probs.clamp_min(1e-30)).cuda()
+
+    def state(**params):
+        params.setdefault("max_new_tokens", 10**6)
+        return GenerationState(SamplingParams(**params), [7], None, (), probs.numel())
+
+    row = state(seed=0, top_k=3)
+    draws = sample(logits.expand(8000, -1), [row.sampler] * 8000).token_ids
+    freqs = torch.bincount(torch.tensor(draws), minlength=8).float() / 8000
+    expected = torch.tensor([0.4, 0.3, 0.15, 0, 0, 0, 0, 0]) / 0.85
+    assert (freqs - expected).abs().max() < 0.03
+    runs = [sample(logits.expand(5, -1), [state(seed=11).sampler] * 5).token_ids for _ in range(2)]
+    assert runs[0] == runs[1]
+    mixed = [state(temperature=0), state(seed=3, logprobs=True)]
+    out = sample(logits.expand(2, -1), [s.sampler for s in mixed])
+    assert out.token_ids[0] == 0 and out.logprobs[1] is not None

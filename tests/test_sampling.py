@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime.generation import GenerationState
-from runtime.model.sampler import sample, token_logprobs
+from runtime.model.sampler import draw_by_cdf, sample, sample_on_device, token_logprobs
 from runtime.protocol import SamplingParams
 
 PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05, 0.0, 0.0, 0.0])
@@ -21,12 +21,17 @@ def state(prompt=(7,), tokenizer=None, eos=(), **params) -> GenerationState:
     return GenerationState(SamplingParams(**params), list(prompt), tokenizer, eos, VOCAB)
 
 
-def draw_frequencies(num_draws=6000, **params) -> torch.Tensor:
+def draw_frequencies(num_draws=6000, sampler=sample, **params) -> torch.Tensor:
     rows = [state(seed=0, max_new_tokens=10**6, **params)] * num_draws  # one generator, N draws
-    out = sample(LOGITS.expand(num_draws, VOCAB), [r.sampler for r in rows])
+    out = sampler(LOGITS.expand(num_draws, VOCAB), [r.sampler for r in rows])
     return torch.bincount(torch.tensor(out.token_ids), minlength=VOCAB).float() / num_draws
 
 
+# the host sampler, and the one used where logits stay on an accelerator (device-agnostic)
+SAMPLERS = pytest.mark.parametrize("sampler", [sample, sample_on_device], ids=["host", "device"])
+
+
+@SAMPLERS
 @pytest.mark.parametrize(
     "params, support",
     [
@@ -38,20 +43,31 @@ def draw_frequencies(num_draws=6000, **params) -> torch.Tensor:
         (dict(top_k=3, top_p=0.5), [0, 1]),
     ],
 )
-def test_support_is_restricted_and_renormalized(params, support):
-    freqs = draw_frequencies(temperature=1.0, **params)
+def test_support_is_restricted_and_renormalized(params, support, sampler):
+    freqs = draw_frequencies(temperature=1.0, sampler=sampler, **params)
     expected = torch.zeros(VOCAB)
     expected[support] = PROBS[support] / PROBS[support].sum()
     assert set(torch.nonzero(freqs).flatten().tolist()) == set(support)
     assert (freqs - expected).abs().max() < 0.03, (freqs, expected)
 
 
-def test_temperature_sharpens():
-    cold = draw_frequencies(temperature=0.25)
-    assert cold[0] > 0.65 and cold[0] > draw_frequencies(temperature=1.0)[0] + 0.2
+@SAMPLERS
+def test_temperature_sharpens(sampler):
+    cold = draw_frequencies(temperature=0.25, sampler=sampler)
+    warm = draw_frequencies(temperature=1.0, sampler=sampler)
+    assert cold[0] > 0.65 and cold[0] > warm[0] + 0.2
 
 
-def test_seed_reproduces_regardless_of_batch_neighbours():
+def test_draw_by_cdf_never_picks_a_zero_probability_token():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0]])
+    for u in (0.0, 1e-9, 0.25, 0.4999, 0.5, 0.75, 1 - 1e-7):
+        picked = draw_by_cdf(probs, torch.tensor([u, u])).tolist()
+        assert picked[0] in (1, 3) and picked[1] == 4  # unnormalized rows too
+        assert picked[0] == (1 if u < 0.5 else 3)
+
+
+@SAMPLERS
+def test_seed_reproduces_regardless_of_batch_neighbours(sampler):
     def run(seed, neighbours):
         row = state(seed=seed, max_new_tokens=100)
         others = [state(seed=99 + i, max_new_tokens=100) for i in range(neighbours)]
@@ -59,17 +75,22 @@ def test_seed_reproduces_regardless_of_batch_neighbours():
         for _ in range(20):
             rows = [*others, row]
             samplers = [r.sampler for r in rows]
-            tokens.append(sample(LOGITS.expand(len(rows), VOCAB), samplers).token_ids[-1])
+            tokens.append(sampler(LOGITS.expand(len(rows), VOCAB), samplers).token_ids[-1])
         return tokens
 
     assert run(seed=5, neighbours=0) == run(seed=5, neighbours=3)
     assert run(seed=5, neighbours=0) != run(seed=6, neighbours=0)
 
 
-def test_greedy_rows_and_sampled_rows_share_a_batch():
+@SAMPLERS
+def test_greedy_rows_and_sampled_rows_share_a_batch(sampler):
     rows = [state(temperature=0), state(seed=1, top_k=1), state(seed=1)]
-    out = sample(LOGITS.expand(3, VOCAB), [r.sampler for r in rows])
+    out = sampler(LOGITS.expand(3, VOCAB), [r.sampler for r in rows])
     assert out.token_ids[:2] == [0, 0]
+    nan = LOGITS.expand(3, VOCAB).clone()
+    nan[1, 2] = float("nan")
+    out = sampler(nan, [r.sampler for r in rows])
+    assert out.errors[0] is None and "no token" in out.errors[1] and out.errors[2] is None
 
 
 def test_repetition_frequency_presence_penalties():

@@ -59,7 +59,6 @@ class PhaseTimer:
     """Seconds per phase of flowlang's step, by wrapping the engine's own objects."""
 
     def __init__(self, engine) -> None:
-        import runtime.model.llama as llama
         from runtime.model.linear import Linear
 
         self.seconds: collections.Counter = collections.Counter()
@@ -71,8 +70,10 @@ class PhaseTimer:
         self._wrap(engine.scheduler, "process", "process (incl. sampling)")
         self._wrap(engine.runner, "forward", "forward")
         self._wrap(Linear, "__call__", "GEMMs")
-        self._wrap(llama, "_rms_norm", "RMSNorm")
-        self._wrap(llama, "_rope", "RoPE")
+        ops = engine.runner.model.ops
+        self._wrap(ops, "rms_norm", "RMSNorm")
+        self._wrap(ops, "add_rms_norm", "RMSNorm")
+        self._wrap(ops, "rope", "RoPE")
 
     def _wrap(self, owner, name: str, phase: str) -> None:
         inner = getattr(owner, name)

@@ -6,7 +6,10 @@ import torch
 
 
 class KVPool:
-    """K and V for `num_slots` tokens in every layer.
+    """K and V for `num_slots` tokens in every layer, plus `scratch_slots` rows after them.
+
+    Scratch rows (slot ids num_slots, num_slots + 1, ...) are never handed out by the allocator:
+    padded entries of a captured decode graph write their K/V there and attend to them.
 
     >>> pool = KVPool(num_layers=2, num_slots=16, num_kv_heads=1, head_dim=4)
     >>> pool.k[0].shape
@@ -21,15 +24,18 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        scratch_slots: int = 0,
     ) -> None:
         self.num_layers = num_layers
-        self.num_slots = num_slots
+        self.num_slots = num_slots  # what the allocator hands out
+        self.scratch_slot = num_slots  # the first scratch row (valid only if scratch_slots)
+        self.scratch_slots = scratch_slots
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        shape = (num_layers, num_slots + scratch_slots, num_kv_heads, head_dim)
         self._k = torch.zeros(shape, dtype=dtype, device=self.device)
         self._v = torch.zeros(shape, dtype=dtype, device=self.device)
-        # per layer views: (num_slots, num_kv_heads, head_dim)
+        # per layer views: (num_slots + scratch_slots, num_kv_heads, head_dim)
         self.k = list(self._k.unbind(0))
         self.v = list(self._v.unbind(0))
 

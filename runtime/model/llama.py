@@ -18,6 +18,7 @@ from runtime.model.attention.base import AttentionBackend
 from runtime.model.batch import ForwardBatch
 from runtime.model.linear import Linear, packed_gemm_available
 from runtime.model.moe import load_feed_forward
+from runtime.model.pointwise import RopeTables, pointwise_ops, rms_norm
 
 
 class MissingWeightError(KeyError):
@@ -46,6 +47,7 @@ class LlamaModel:
             return tensor.to(device=self.device, dtype=dtype).contiguous()
 
         pack = packed_gemm_available(self.device)
+        self.ops = pointwise_ops(self.device)  # norms, RoPE, SiLU: fused kernels on CUDA
         self.embed = get("model.embed_tokens.weight")  # (vocab, hidden)
         lm_head = self.embed if arch.tie_word_embeddings else get("lm_head.weight")
         self.lm_head = Linear(lm_head, None, pack)
@@ -72,14 +74,14 @@ class LlamaModel:
                 # (num_heads*head_dim + 2*num_kv_heads*head_dim, hidden)
                 "qkv": Linear(fused(attn, "qkv_proj.weight", qkv_names), qkv_bias, pack),
                 "o": Linear(get(attn + "o_proj.weight"), None, pack),
-                "mlp": load_feed_forward(arch, i, get, names, pack),  # dense or experts
+                "mlp": load_feed_forward(arch, i, get, names, pack, self.ops.silu_mul),
             }
             if arch.qk_norm:
                 layer["q_norm"] = get(attn + "q_norm.weight")  # (head_dim,)
                 layer["k_norm"] = get(attn + "k_norm.weight")
             self.layers.append(layer)
         self._inv_freq, self._rope_scale = arch.rope_inv_freq()
-        self._cos = self._sin = torch.empty(0, 2 * self._inv_freq.numel())
+        self._rope: RopeTables | None = None
         self._ensure_rope(min(arch.max_context_len, 4096))
 
     @property
@@ -96,60 +98,67 @@ class LlamaModel:
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Logits (num_logit_rows, vocab) in fp32. `attn.plan(batch)` must have run."""
-        arch = self.arch
-        input_ids = batch.input_ids.to(self.device)
-        positions = batch.positions.to(self.device)
-        self._ensure_rope(int(positions.max()) + 1)
-        cos = self._cos[positions][:, None, :]  # (num_tokens, 1, rotary_dim)
-        sin = self._sin[positions][:, None, :]
+        self._ensure_rope(int(batch.positions.max()) + 1)  # a host tensor: no device sync
+        rows = batch.logit_rows
+        return self.forward_tokens(
+            batch.input_ids.to(self.device),
+            batch.positions.to(self.device),
+            rows.to(self.device) if rows.numel() else None,
+            attn,
+        )
+
+    def forward_tokens(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logit_rows: torch.Tensor | None,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        """The forward on device tensors, with no host synchronization, so that a CUDA graph
+        can capture it; the RoPE tables must already cover `positions` (`ensure_rope`)."""
+        arch, ops = self.arch, self.ops
+        rope = ops.rope_context(positions, self._rope)
         q_size = arch.num_heads * arch.head_dim
         kv_size = arch.num_kv_heads * arch.head_dim
-        hidden = F.embedding(input_ids, self.embed)  # (num_tokens, hidden)
+        residual = F.embedding(input_ids, self.embed)  # (num_tokens, hidden)
+        x = ops.rms_norm(residual, self.layers[0]["input_norm"], arch.rms_norm_eps)
         for i, layer in enumerate(self.layers):
-            x = _rms_norm(hidden, layer["input_norm"], arch.rms_norm_eps)
+            if i:  # the residual add fused into the norm of the next block
+                x, residual = ops.add_rms_norm(x, residual, layer["input_norm"], arch.rms_norm_eps)
             qkv = layer["qkv"](x)  # (num_tokens, q + 2 kv)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(-1, arch.num_heads, arch.head_dim)  # (num_tokens, num_heads, head_dim)
             k = k.view(-1, arch.num_kv_heads, arch.head_dim)
             v = v.view(-1, arch.num_kv_heads, arch.head_dim)
             if arch.qk_norm:
-                q = _rms_norm(q, layer["q_norm"], arch.rms_norm_eps)
-                k = _rms_norm(k, layer["k_norm"], arch.rms_norm_eps)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            hidden = hidden + layer["o"](attn.forward(i, q, k, v))
-            x = _rms_norm(hidden, layer["post_norm"], arch.rms_norm_eps)
-            hidden = hidden + layer["mlp"](x)
-        if batch.logit_rows.numel() == 0:
-            return torch.empty(0, self.arch.vocab_size)
-        last = _rms_norm(
-            hidden[batch.logit_rows.to(self.device)], self.final_norm, arch.rms_norm_eps
-        )
-        return self.lm_head(last).float()
+                q = rms_norm(q, layer["q_norm"], arch.rms_norm_eps)
+                k = rms_norm(k, layer["k_norm"], arch.rms_norm_eps)
+            q, k = ops.rope(q, k, rope)
+            x = layer["o"](attn.forward(i, q, k, v))
+            x, residual = ops.add_rms_norm(x, residual, layer["post_norm"], arch.rms_norm_eps)
+            x = layer["mlp"](x)
+        if logit_rows is None:
+            return torch.empty(0, arch.vocab_size)
+        last = residual[logit_rows] + x[logit_rows]  # (num_logit_rows, hidden)
+        return self.lm_head(ops.rms_norm(last, self.final_norm, arch.rms_norm_eps)).float()
+
+    def ensure_rope(self, num_positions: int) -> RopeTables:
+        """RoPE tables covering positions 0..num_positions-1, built now. A captured graph reads
+        the tables it was captured with; if they are regrown later, the graph's holder keeps
+        the old ones alive (their rows for these positions are the same)."""
+        self._ensure_rope(num_positions)
+        return self._rope
 
     def _ensure_rope(self, num_positions: int) -> None:
-        """cos/sin tables (num_positions, rotary_dim), grown by doubling, as in transformers."""
-        if num_positions <= self._cos.shape[0]:
+        """RoPE tables for num_positions, grown by doubling, as in transformers."""
+        have = 0 if self._rope is None else self._rope.num_positions
+        if num_positions <= have:
             return
-        size = max(num_positions, 2 * self._cos.shape[0])
-        positions = torch.arange(size, dtype=torch.float)
-        freqs = positions[:, None] * self._inv_freq[None, :]  # (size, head_dim // 2)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self._cos = (emb.cos() * self._rope_scale).to(device=self.device, dtype=self.dtype)
-        self._sin = (emb.sin() * self._rope_scale).to(device=self.device, dtype=self.dtype)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (num_tokens, heads, head_dim) rotated by position (rotate-half layout) on its first
-    rotary_dim = cos.shape[-1] features; the rest pass through (partial rotary)."""
-    rotary_dim = cos.shape[-1]
-    if rotary_dim < x.shape[-1]:
-        return torch.cat([_rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
-    half = rotary_dim // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+        self._rope = RopeTables.build(
+            self._inv_freq,
+            self._rope_scale,
+            max(num_positions, 2 * have),
+            self.dtype,
+            self.device,
+            with_cos_sin=self.ops.needs_cos_sin,
+        )

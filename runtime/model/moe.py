@@ -17,17 +17,19 @@ from runtime.model.arch import ModelArch
 from runtime.model.linear import Linear
 
 Getter = Callable[[str], torch.Tensor]
+SiluMul = Callable[[torch.Tensor], torch.Tensor]
 
 
 class GatedMLP:
-    """down(silu(gate(x)) * up(x)) with gate/up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)) with gate/up fused into one matmul; `silu_mul` takes the
+    fused (tokens, 2 * intermediate) output (one kernel on CUDA, runtime/model/pointwise.py)."""
 
-    def __init__(self, gate_up: Linear, down: Linear) -> None:
+    def __init__(self, gate_up: Linear, down: Linear, silu_mul: SiluMul) -> None:
         self.gate_up, self.down = gate_up, down  # (2*intermediate, hidden), (hidden, intermediate)
+        self.silu_mul = silu_mul
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(self.silu_mul(self.gate_up(x)))
 
     @property
     def num_params(self) -> int:
@@ -68,7 +70,7 @@ class SparseMoE:
 
 
 def load_feed_forward(
-    arch: ModelArch, layer: int, get: Getter, names: set[str], pack: bool
+    arch: ModelArch, layer: int, get: Getter, names: set[str], pack: bool, silu_mul: SiluMul
 ) -> GatedMLP | SparseMoE:
     """Layer `layer`'s feed-forward block from its checkpoint tensors."""
     p = f"model.layers.{layer}."
@@ -77,9 +79,8 @@ def load_feed_forward(
             gate_up = get(p + "mlp.gate_up_proj.weight")
         else:
             gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-        return GatedMLP(
-            Linear(gate_up, None, pack), Linear(get(p + "mlp.down_proj.weight"), None, pack)
-        )
+        down = Linear(get(p + "mlp.down_proj.weight"), None, pack)
+        return GatedMLP(Linear(gate_up, None, pack), down, silu_mul)
     block = p + ("block_sparse_moe." if p + "block_sparse_moe.gate.weight" in names else "mlp.")
     gate_up, down = _expert_weights(arch.num_experts, block + "experts.", get, names)
     return SparseMoE(

@@ -26,6 +26,21 @@ PRESETS = {
         tie_word_embeddings=False,
         eos_token_id=128009,
     ),
+    # Llama-3's attention shapes (head_dim 128, 4 query heads per KV head) in 4 small layers:
+    # the GPU tests run the same attention kernels as the 8B bench
+    "llama-3-small": dict(
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        tie_word_embeddings=False,
+        eos_token_id=2,
+    ),
     "smollm2-135m": dict(
         hidden_size=576,
         intermediate_size=1536,

@@ -12,6 +12,7 @@ from runtime.config import EngineConfig
 from runtime.model.arch import ModelArch
 from runtime.model.attention import make_attention_backend
 from runtime.model.batch import ForwardBatch
+from runtime.model.cuda_graph import DecodeGraphs
 from runtime.model.llama import LlamaModel
 from runtime.model.loader import load_checkpoint
 
@@ -46,8 +47,17 @@ class ModelRunner:
         self.dtype = parse_dtype(config.dtype)
         self.device = torch.device(config.device)
         self.model = LlamaModel(arch, weights, self.dtype, self.device)
+        # decode graphs on CUDA for dense models (the experts' routing syncs with the host)
+        graphs = not config.disable_cuda_graph and self.device.type == "cuda"
+        graphs = graphs and arch.num_experts == 0
         self.pool = KVPool(
-            arch.num_layers, num_slots, arch.num_kv_heads, arch.head_dim, self.dtype, self.device
+            arch.num_layers,
+            num_slots,
+            arch.num_kv_heads,
+            arch.head_dim,
+            self.dtype,
+            self.device,
+            scratch_slots=config.page_size if graphs else 0,  # where graph padding writes
         )
         self.attention = make_attention_backend(
             config.attention_backend,
@@ -56,6 +66,11 @@ class ModelRunner:
             arch.num_heads,
             config.page_size,
         )
+        self.decode_graphs: DecodeGraphs | None = None
+        if graphs and self.attention.supports_decode_graphs:
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.attention, self.pool, config.cuda_graph_max_batch_size
+            )
         self.num_forward_passes = 0
 
     @classmethod
@@ -70,6 +85,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """fp32 logits (num_logit_rows, vocab) after writing the batch's new K/V into the pool."""
-        self.attention.plan(batch)
         self.num_forward_passes += 1
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            return self.decode_graphs.run(batch)
+        self.attention.plan(batch)
         return self.model.forward(batch, self.attention)
+
+    @property
+    def num_graph_replays(self) -> int:
+        return 0 if self.decode_graphs is None else self.decode_graphs.num_replays

@@ -63,8 +63,16 @@ class SampleOutput:
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplerState]) -> SampleOutput:
-    """logits (num_rows, vocab) fp32, one SamplerState per row -> next tokens."""
+    """logits (num_rows, vocab) fp32, one SamplerState per row -> next tokens.
+
+    Logits on an accelerator stay there when no row asks for penalties, a constraint or
+    logprobs (`sample_on_device`); otherwise they come over and are sampled here.
+    """
     num_rows = logits.shape[0]
+    if logits.device.type != "cpu":
+        if all(_device_sampleable(r) for r in rows):
+            return sample_on_device(logits, rows)
+        logits = logits.cpu()
     want_logprobs = [r.params.logprobs or r.params.top_logprobs > 0 for r in rows]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
@@ -116,6 +124,47 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerState]) -> SampleOutput:
     return SampleOutput(token_ids, logprobs, tops, errors)
 
 
+def _device_sampleable(row: SamplerState) -> bool:
+    p = row.params
+    return not (p.logprobs or p.top_logprobs or p.needs_penalties) and row.constraint is None
+
+
+def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplerState]) -> SampleOutput:
+    """Greedy rows by argmax; the others by inverse CDF: one uniform per row from the row's
+    own generator (on the host, so seeds work as on CPU) against the cumulative filtered
+    probabilities. The same distribution as `torch.multinomial`, not the same draws."""
+    num_rows = logits.shape[0]
+    chosen = logits.argmax(dim=-1)  # (num_rows,)
+    bad = torch.isnan(logits).any(dim=-1)
+    sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    invalid = torch.zeros(num_rows, dtype=torch.bool, device=logits.device)
+    if sampled:
+        probs = _filtered_probs(logits[sampled], [rows[i].params for i in sampled])
+        uniforms = torch.stack([torch.rand((), generator=rows[i].generator) for i in sampled])
+        chosen[sampled] = draw_by_cdf(probs, uniforms.to(logits.device))
+        invalid[sampled] = ~(torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0))
+    token_ids, bad, invalid = chosen.tolist(), bad.tolist(), invalid.tolist()
+    errors: list[str | None] = [None] * num_rows
+    for i in range(num_rows):
+        if bad[i]:
+            errors[i] = "no token can be sampled here (the constraint or the model left none)"
+        elif invalid[i]:
+            errors[i] = (
+                "the sampling parameters leave no valid distribution (temperature, "
+                "penalties or top-k/top-p/min-p too extreme)"
+            )
+    return SampleOutput(token_ids, [None] * num_rows, [None] * num_rows, errors)
+
+
+def draw_by_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row i's token: the first whose cumulative probability exceeds uniforms[i] x the row's
+    total (so a zero-probability token is never drawn). (n, vocab), (n,) -> (n,) int64."""
+    cdf = probs.cumsum(dim=-1)  # (n, vocab)
+    targets = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)  # (n, 1)
+    picked = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    return picked.clamp_(max=probs.shape[-1] - 1)
+
+
 def token_logprobs(logits: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
     """Raw logprob of next_ids[j] under logits[j]: (n, vocab), (n,) -> (n,)."""
     return torch.log_softmax(logits, dim=-1).gather(1, next_ids[:, None].to(torch.int64))[:, 0]
@@ -138,16 +187,18 @@ def _apply_penalties(logits: torch.Tensor, rows_idx: list[int], rows) -> None:
 
 def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
     """(n, vocab) logits -> probabilities after temperature, top-k, top-p and min-p."""
-    temps = torch.tensor([p.temperature for p in params])[:, None]
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=device)[:, None]
     logits = logits / temps
     vocab = logits.shape[-1]
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if any(k < vocab for k in top_ks):
         kth = logits.topk(max(top_ks), dim=-1).values  # (n, max_k) descending
-        threshold = kth.gather(1, torch.tensor(top_ks)[:, None] - 1)
-        threshold[torch.tensor(top_ks) == vocab] = float("-inf")
+        ks = torch.tensor(top_ks, device=device)
+        threshold = kth.gather(1, ks[:, None] - 1)
+        threshold[ks == vocab] = float("-inf")
         logits = logits.masked_fill(logits < threshold, float("-inf"))
-    top_ps = torch.tensor([p.top_p for p in params])
+    top_ps = torch.tensor([p.top_p for p in params], device=device)
     if bool((top_ps < 1.0).any()):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(dim=-1)
@@ -157,7 +208,7 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(dim=-1)
-    min_ps = torch.tensor([p.min_p for p in params])[:, None]
+    min_ps = torch.tensor([p.min_p for p in params], device=device)[:, None]
     if bool((min_ps > 0).any()):
         probs = probs.masked_fill(probs < min_ps * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs

@@ -144,7 +144,7 @@ class Req:
 
     def record_prompt_logprobs(self, start: int, rows: torch.Tensor) -> None:
         """rows[i] are the logits at position start + i, predicting token start + i + 1."""
-        logprobs = torch.log_softmax(rows.float(), dim=-1)  # (num_rows, vocab)
+        logprobs = torch.log_softmax(rows.float().cpu(), dim=-1)  # (num_rows, vocab)
         first = max(0, self.logprob_start - start - 1)
         last = min(rows.shape[0], len(self.prompt_ids) - start - 1)
         if first >= last:

@@ -269,7 +269,7 @@ class Scheduler:
                 to_sample.append((req, row - 1))
             else:
                 if req.keep_last_logprobs:
-                    req.last_logprobs = torch.log_softmax(logits[row - 1], dim=-1)
+                    req.last_logprobs = torch.log_softmax(logits[row - 1].cpu(), dim=-1)
                 self._complete(req)
         if to_sample:
             self._sample(to_sample, logits)

@@ -15,6 +15,7 @@ COUNTERS = {
     "requests_aborted_total",
     "requests_failed_total",
     "forward_passes_total",
+    "cuda_graph_replays_total",
     "steps_total",
     "schedule_rematches_total",
     "jump_forward_tokens_total",

@@ -20,6 +20,7 @@ class AttentionBackend(ABC):
     """
 
     name: str
+    supports_decode_graphs = False  # plans a captured decode graph's batch in static buffers
 
     def __init__(self, pool: KVPool, sliding_windows: tuple[int | None, ...]) -> None:
         self.pool = pool
@@ -35,3 +36,13 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q (num_tokens, num_heads, head_dim), k/v (num_tokens, num_kv_heads, head_dim)
         -> (num_tokens, num_heads * head_dim)."""
+
+    def prepare_decode_graphs(self, batch_sizes: tuple[int, ...], max_seq_len: int) -> None:
+        """Static per-size planning state for decode graphs (runtime/model/cuda_graph.py);
+        none here: the eager stand-in plans as usual."""
+        return None
+
+    def plan_graph_decode(self, batch: ForwardBatch, out_slots: torch.Tensor) -> None:
+        """Plan a padded pure-decode batch of a captured size; new K/V go to `out_slots`, the
+        static device copy of `batch.out_slots`. Here: an ordinary plan (an eager stand-in)."""
+        self.plan(batch)

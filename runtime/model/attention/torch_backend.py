@@ -83,8 +83,9 @@ class TorchAttention(AttentionBackend):
                 decode_slots.append(seq.slots)
                 decode_lens.append(seq.num_new)
             else:
+                slots = seq.slots.to(self.pool.device)
                 self._extends.append(
-                    _Extend(seq.row_start, seq.num_new, seq.seq_len - seq.num_new, seq.slots)
+                    _Extend(seq.row_start, seq.num_new, seq.seq_len - seq.num_new, slots)
                 )
         self.decode_group = (
             self._plan_decodes(decode_rows, decode_slots, decode_lens) if decode_rows else None
