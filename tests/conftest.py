@@ -80,6 +80,49 @@ def tiny_hf_model(kind: str = "llama", seed: int = 0, **overrides):
                 norm_topk_prob=False,
             ),
         ),
+        # 4 layers alternating sliding (window 24) / global, query scale 24 (not head_dim 16),
+        # soft-caps small enough to bend the scores and the logits
+        "gemma2": (
+            transformers.Gemma2Config,
+            transformers.Gemma2ForCausalLM,
+            dict(
+                num_hidden_layers=4,
+                head_dim=16,
+                sliding_window=24,
+                query_pre_attn_scalar=24,
+                attn_logit_softcapping=2.0,
+                final_logit_softcapping=3.0,
+                pad_token_id=0,
+                initializer_range=0.1,  # scores large enough for the cap to bend them
+            ),
+        ),
+        # local layers 0, 1, 3 (window 24, RoPE base 10k), global layer 2 (base 1M, linear x2)
+        "gemma3": (
+            transformers.Gemma3TextConfig,
+            transformers.Gemma3ForCausalLM,
+            dict(
+                num_hidden_layers=4,
+                head_dim=16,
+                sliding_window=24,
+                query_pre_attn_scalar=24,
+                layer_types=[
+                    "sliding_attention",
+                    "sliding_attention",
+                    "full_attention",
+                    "sliding_attention",
+                ],
+                rope_parameters={
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {
+                        "rope_type": "linear",
+                        "rope_theta": 1000000.0,
+                        "factor": 2.0,
+                    },
+                },
+                pad_token_id=0,
+                initializer_range=0.1,
+            ),
+        ),
         # longrope (short factors, attention factor != 1) on half of each head, window 24
         "phi3-longrope": (
             transformers.Phi3Config,
@@ -103,7 +146,13 @@ def tiny_hf_model(kind: str = "llama", seed: int = 0, **overrides):
     config_cls, model_cls, extra = configs[kind]
     torch.manual_seed(seed)
     config = config_cls(**{**TINY, **extra, **overrides})
-    return model_cls(config).eval()
+    model = model_cls(config).eval()
+    if kind.startswith("gemma"):  # Gemma's norms start at 0 (weight 1 + 0): make them count
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.2)
+    return model
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from runtime.engine import Engine
 from runtime.model.arch import ModelArch
 from runtime.protocol import GenerateRequest, SamplingParams
 
-FAMILIES = ["qwen3", "phi3", "phi3-longrope", "mixtral", "qwen3-moe"]
+FAMILIES = ["qwen3", "phi3", "phi3-longrope", "mixtral", "qwen3-moe", "gemma2", "gemma3"]
 GREEDY16 = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
 
 
@@ -126,3 +126,50 @@ def test_hub_expert_layouts_load_like_the_fused_one(layout):
         return runner.forward(ForwardBatch.build([ids], [SlotAllocator(64).alloc(35)]))
 
     assert torch.equal(logits(fused), logits(split))
+
+
+def test_gemma_switches_are_read_from_the_config_and_matter():
+    """Each Gemma piece is on, and turning any one off breaks parity with transformers (so the
+    parity tests would catch it missing)."""
+    import dataclasses
+
+    from runtime.cache.allocator import SlotAllocator
+    from runtime.model.batch import ForwardBatch
+    from runtime.model.runner import ModelRunner
+
+    gemma2 = tiny_hf_model("gemma2")
+    arch2 = ModelArch.from_hf(gemma2.config)
+    assert arch2.gemma_norms and arch2.hidden_act == "gelu_pytorch_tanh"
+    assert arch2.embed_scale == 64**0.5 and arch2.query_scale == 24**-0.5
+    assert (arch2.attn_softcap, arch2.final_softcap) == (2.0, 3.0)
+    assert arch2.sliding_windows == (24, None, 24, None)
+    gemma3 = tiny_hf_model("gemma3")
+    arch3 = ModelArch.from_hf(gemma3.config)
+    assert arch3.qk_norm and arch3.attn_softcap is None and arch3.final_softcap is None
+    assert arch3.rope_layer_types[2] == "full_attention"
+    local, _ = arch3.rope_inv_freq("sliding_attention")
+    full, full_scale = arch3.rope_inv_freq("full_attention")
+    assert torch.allclose(full, 1.0 / (1e6 ** (torch.arange(0, 16, 2) / 16)) / 2.0)  # linear x2
+    assert not torch.allclose(local, full) and full_scale == 1.0
+
+    ids = [(5 * j) % 500 + 3 for j in range(40)]  # longer than the window
+
+    def max_error(hf, arch) -> float:
+        runner = ModelRunner(arch, hf.state_dict(), 256, EngineConfig(attention_backend="torch"))
+        slots = SlotAllocator(256).alloc(len(ids))
+        batch = ForwardBatch.build([ids], [slots], all_logits=[True])
+        with torch.no_grad():
+            expected = hf(torch.tensor([ids])).logits[0]
+        return (runner.forward(batch) - expected).abs().max().item()
+
+    assert max_error(gemma2, arch2) < 1e-4 and max_error(gemma3, arch3) < 1e-4
+    for hf, arch, change in [
+        (gemma2, arch2, dict(attn_softcap=None)),
+        (gemma2, arch2, dict(final_softcap=None)),
+        (gemma2, arch2, dict(query_scale=None)),
+        (gemma2, arch2, dict(embed_scale=1.0)),
+        (gemma2, arch2, dict(sliding_windows=(None,) * 4)),
+        (gemma3, arch3, dict(rope_layer_types=("sliding_attention",) * 4)),
+        (gemma3, arch3, dict(hidden_act="silu")),
+    ]:
+        assert max_error(hf, dataclasses.replace(arch, **change)) > 1e-3, change

@@ -15,7 +15,7 @@ from runtime.model.batch import ForwardBatch
 from runtime.model.runner import ModelRunner
 
 FAMILIES = ["llama", "llama3", "qwen2", "mistral", "qwen3", "phi3", "phi3-longrope"]
-FAMILIES += ["mixtral", "qwen3-moe"]
+FAMILIES += ["mixtral", "qwen3-moe", "gemma2", "gemma3"]
 BACKENDS = ["torch", "cpu"]  # the reference, and the native paged decode kernel
 TOL = 1e-4
 
@@ -165,7 +165,7 @@ def test_paged_kernel_matches_reference_with_window_and_bf16():
             )
         expected = torch.cat(expected)
         got, _ = kernels.paged_attention(
-            q, k_pool, v_pool, slots, kv_indptr, qo_indptr, 16**-0.5, window
+            q, k_pool, v_pool, slots, kv_indptr, qo_indptr, 16**-0.5, window, 0.0
         )
         assert close(got, expected) < 1e-5
         got16, _ = kernels.paged_attention(
@@ -177,6 +177,7 @@ def test_paged_kernel_matches_reference_with_window_and_bf16():
             qo_indptr,
             16**-0.5,
             window,
+            0.0,
         )
         assert close(got16.float(), expected) < 3e-2
 

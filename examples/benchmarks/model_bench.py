@@ -1,6 +1,11 @@
 """Model runner speed on the default model vs transformers `generate` (same weights, same dtype).
 
     python examples/benchmarks/model_bench.py [--dtype float32] [--batches 1 8 32] [--repeats 3]
+    python examples/benchmarks/model_bench.py --families [--dtype float32]
+
+`--families`: one row per supported architecture instead, each a random-weight model of about
+130 M parameters built from its transformers config class (same shapes where the family
+allows), batch 8, 256-token prompts, 16 new tokens.
 
 Prefill: 512-token prompts. Decode: 32 new tokens per sequence after the prompt (EOS ignored).
 Ours runs the runner + batched sampler step by step (greedy, ragged batches, no padding);
@@ -28,10 +33,12 @@ from runtime.protocol import SamplingParams
 PROMPT_LEN, NEW_TOKENS = 512, 32
 
 
-def ours(runner: ModelRunner, prompts: list[list[int]]) -> tuple[float, float]:
+def ours(
+    runner: ModelRunner, prompts: list[list[int]], new_tokens: int = NEW_TOKENS
+) -> tuple[float, float]:
     """Seconds for the batched prefill, median seconds per decode step."""
     allocator = SlotAllocator(runner.pool.num_slots)
-    params = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     arch = runner.arch
     states = [
         GenerationState(params, p, None, arch.eos_token_ids, arch.vocab_size) for p in prompts
@@ -55,7 +62,7 @@ def ours(runner: ModelRunner, prompts: list[list[int]]) -> tuple[float, float]:
     return prefill_s, statistics.median(step_times)
 
 
-def theirs(hf, prompts: list[list[int]]) -> tuple[float, float]:
+def theirs(hf, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> tuple[float, float]:
     """Seconds to the first token (prefill), median seconds per further decode step.
 
     A stopping criterion records the time of every step inside one `generate` call.
@@ -74,8 +81,8 @@ def theirs(hf, prompts: list[list[int]]) -> tuple[float, float]:
         start = time.perf_counter()
         hf.generate(
             ids,
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
             do_sample=False,
             pad_token_id=0,
             stopping_criteria=StoppingCriteriaList([Clock()]),
@@ -124,12 +131,94 @@ def profile_decode_step(runner: ModelRunner, batch_size: int) -> None:
     print(f"| Python and dispatch overhead (wall - ops) | {max(0.0, wall_ms - profiled):.1f} | |")
 
 
+BASE = dict(
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+# family -> (transformers config class, model class, what differs from BASE)
+FAMILY_MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=128)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=64)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0, eos_token_id=2)),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(intermediate_size=1024, num_local_experts=4, num_experts_per_tok=2),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=1024),
+    ),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=64, sliding_window=128)),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(head_dim=64, sliding_window=128, pad_token_id=0),
+    ),
+}
+
+
+def family_rows(dtype: torch.dtype, repeats: int) -> list[str]:
+    """Prefill and decode tok/s, ours vs transformers, for each family's random model."""
+    import transformers
+
+    from runtime.config import EngineConfig
+    from runtime.model.arch import ModelArch
+
+    batch, prompt_len = 8, 256
+    prompts = torch.randint(100, 31000, (batch, prompt_len), generator=torch.Generator()).tolist()
+    lines = [
+        "| family | params | prefill tok/s ours | HF | ratio | decode tok/s ours | HF | ratio |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for family, (config_name, model_name, extra) in FAMILY_MODELS.items():
+        torch.manual_seed(0)
+        config = getattr(transformers, config_name)(**{**BASE, **extra})
+        hf = getattr(transformers, model_name)(config).to(dtype).eval()
+        arch = ModelArch.from_hf(config)
+        runner = ModelRunner(
+            arch, hf.state_dict(), 4096, EngineConfig(dtype=str(dtype).split(".")[-1])
+        )
+        runs = [(ours(runner, prompts, 16), theirs(hf, prompts, 16)) for _ in range(repeats)]
+        p_ours = statistics.median(r[0][0] for r in runs)
+        d_ours = statistics.median(r[0][1] for r in runs)
+        p_hf = statistics.median(r[1][0] for r in runs)
+        d_hf = statistics.median(r[1][1] for r in runs)
+        params = sum(p.numel() for p in hf.parameters()) / 1e6
+        lines.append(
+            f"| {family} | {params:.0f} M | {batch * prompt_len / p_ours:,.0f} | "
+            f"{batch * prompt_len / p_hf:,.0f} | {p_hf / p_ours:.2f}x | {batch / d_ours:,.0f} | "
+            f"{batch / d_hf:,.0f} | {d_hf / d_ours:.2f}x |"
+        )
+        print(lines[-1], flush=True)
+        del hf, runner
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--families", action="store_true", help="a row per architecture")
     args = parser.parse_args()
+    if args.families:
+        lines = family_rows(getattr(torch, args.dtype), args.repeats)
+        print(
+            f"\nrandom-weight models per family, {args.dtype}, {torch.get_num_threads()} threads, "
+            f"batch 8, 256-token prompts, 16 new tokens, median of {args.repeats}\n"
+        )
+        print("\n".join(lines))
+        return
     from transformers import AutoModelForCausalLM
 
     path = resolve_model(DEFAULT_MODEL)
@@ -171,7 +260,8 @@ def main() -> None:
         print(
             f"| {b} | {po:.0f} | {ph:.0f} | {po / ph:.2f}x | {do:.0f} | {dh:.0f} | {do / dh:.2f}x |"
         )
-    print(f"\nGEMM path: {runner.model.gemm}; attention backend: {runner.attention.name}")
+    packed = "oneDNN packed weights" if runner.model.lm_head.packed else "F.linear"
+    print(f"\nGEMM path: {packed}; attention backend: {runner.attention.name}")
     profile_decode_step(runner, max(args.batches))
 
 

@@ -14,6 +14,8 @@ FAMILIES: dict[str, str] = {
     "phi3": "Phi-3/3.5/4-mini (fused qkv and gate/up; default or longrope, partial rotary)",
     "mixtral": "Mixtral-style MoE (top-k router, expert MLPs; plain batched experts)",
     "qwen3_moe": "Qwen3-MoE (q/k RMSNorm, top-k experts, dense mlp_only_layers)",
+    "gemma2": "Gemma 2 (sliding/global layers, attention and final logit soft-capping, GeGLU)",
+    "gemma3_text": "Gemma 3 text (sliding/global layers with their own RoPE bases, q/k norms)",
 }
 
 

@@ -18,7 +18,7 @@ from runtime.model.attention.base import AttentionBackend
 from runtime.model.batch import ForwardBatch
 from runtime.model.linear import Linear, packed_gemm_available
 from runtime.model.moe import load_feed_forward
-from runtime.model.pointwise import RopeTables, pointwise_ops, rms_norm
+from runtime.model.pointwise import RopeTables, pointwise_ops
 
 
 class MissingWeightError(KeyError):
@@ -39,20 +39,38 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
 
-        def get(name: str) -> torch.Tensor:
+        def get(name: str, dtype: torch.dtype = dtype) -> torch.Tensor:
             try:
                 tensor = weights[name]
             except KeyError:
                 raise MissingWeightError(f"checkpoint has no tensor {name!r}") from None
             return tensor.to(device=self.device, dtype=dtype).contiguous()
 
+        def norm(name: str) -> torch.Tensor:
+            """A norm's weight as stored, or Gemma's 1 + w kept in fp32."""
+            return 1 + get(name, torch.float32) if arch.gemma_norms else get(name)
+
         pack = packed_gemm_available(self.device)
-        self.ops = pointwise_ops(self.device)  # norms, RoPE, SiLU: fused kernels on CUDA
+        # norms, RoPE, gated activation: flashinfer's fused kernels on CUDA for Llama-style models
+        self.ops = pointwise_ops(self.device, arch.gemma_norms, arch.hidden_act)
         self.embed = get("model.embed_tokens.weight")  # (vocab, hidden)
         lm_head = self.embed if arch.tie_word_embeddings else get("lm_head.weight")
         self.lm_head = Linear(lm_head, None, pack)
-        self.final_norm = get("model.norm.weight")
-        self.layers = []
+        self.final_norm = norm("model.norm.weight")
+        # Gemma: embeddings times sqrt(hidden) rounded to the model dtype, as transformers does
+        self._embed_scale = torch.tensor(arch.embed_scale, dtype=dtype, device=self.device)
+        # a query scale other than head_dim ** -0.5 applied to q, so backends keep theirs
+        self._q_factor = arch.query_scale * arch.head_dim**0.5 if arch.query_scale else None
+        self.layers = [
+            self._load_layer(i, weights, get, norm, pack) for i in range(arch.num_layers)
+        ]
+        # (inverse frequencies, scale) per RoPE parameter set; None keys the only one
+        self._rope_params = {t: arch.rope_inv_freq(t) for t in set(arch.rope_layer_types)}
+        self._rope: dict[str | None, RopeTables] = {}
+        self._ensure_rope(min(arch.max_context_len, 4096))
+
+    def _load_layer(self, i: int, weights, get, norm, pack: bool) -> dict:
+        arch = self.arch
 
         def fused(prefix: str, fused_name: str, parts: tuple[str, ...]) -> torch.Tensor:
             """One fused tensor: stored as such (Phi-3), or the parts concatenated on dim 0."""
@@ -60,29 +78,29 @@ class LlamaModel:
                 return get(prefix + fused_name)
             return torch.cat([get(prefix + part) for part in parts])
 
-        names = set(weights)
-        for i in range(arch.num_layers):
-            p = f"model.layers.{i}."
-            attn = p + "self_attn."
-            qkv_names = tuple(f"{x}_proj.weight" for x in "qkv")
-            qkv_bias = None
-            if arch.qkv_bias:
-                qkv_bias = fused(attn, "qkv_proj.bias", tuple(f"{x}_proj.bias" for x in "qkv"))
-            layer = {
-                "input_norm": get(p + "input_layernorm.weight"),
-                "post_norm": get(p + "post_attention_layernorm.weight"),
-                # (num_heads*head_dim + 2*num_kv_heads*head_dim, hidden)
-                "qkv": Linear(fused(attn, "qkv_proj.weight", qkv_names), qkv_bias, pack),
-                "o": Linear(get(attn + "o_proj.weight"), None, pack),
-                "mlp": load_feed_forward(arch, i, get, names, pack, self.ops.silu_mul),
-            }
-            if arch.qk_norm:
-                layer["q_norm"] = get(attn + "q_norm.weight")  # (head_dim,)
-                layer["k_norm"] = get(attn + "k_norm.weight")
-            self.layers.append(layer)
-        self._inv_freq, self._rope_scale = arch.rope_inv_freq()
-        self._rope: RopeTables | None = None
-        self._ensure_rope(min(arch.max_context_len, 4096))
+        p = f"model.layers.{i}."
+        attn = p + "self_attn."
+        qkv_names = tuple(f"{x}_proj.weight" for x in "qkv")
+        qkv_bias = None
+        if arch.qkv_bias:
+            qkv_bias = fused(attn, "qkv_proj.bias", tuple(f"{x}_proj.bias" for x in "qkv"))
+        layer = {
+            "input_norm": norm(p + "input_layernorm.weight"),
+            # (num_heads*head_dim + 2*num_kv_heads*head_dim, hidden)
+            "qkv": Linear(fused(attn, "qkv_proj.weight", qkv_names), qkv_bias, pack),
+            "o": Linear(get(attn + "o_proj.weight"), None, pack),
+            "mlp": load_feed_forward(arch, i, get, set(weights), pack, self.ops.act_mul),
+        }
+        if arch.gemma_norms:  # sandwich: each block's output is normalized before its add
+            layer["attn_out_norm"] = norm(p + "post_attention_layernorm.weight")
+            layer["post_norm"] = norm(p + "pre_feedforward_layernorm.weight")
+            layer["mlp_out_norm"] = norm(p + "post_feedforward_layernorm.weight")
+        else:
+            layer["post_norm"] = norm(p + "post_attention_layernorm.weight")
+        if arch.qk_norm:
+            layer["q_norm"] = norm(attn + "q_norm.weight")  # (head_dim,)
+            layer["k_norm"] = norm(attn + "k_norm.weight")
+        return layer
 
     @property
     def num_params(self) -> int:
@@ -116,33 +134,44 @@ class LlamaModel:
     ) -> torch.Tensor:
         """The forward on device tensors, with no host synchronization, so that a CUDA graph
         can capture it; the RoPE tables must already cover `positions` (`ensure_rope`)."""
-        arch, ops = self.arch, self.ops
-        rope = ops.rope_context(positions, self._rope)
+        arch, ops, eps = self.arch, self.ops, self.arch.rms_norm_eps
+        ropes = {t: ops.rope_context(positions, tables) for t, tables in self._rope.items()}
         q_size = arch.num_heads * arch.head_dim
         kv_size = arch.num_kv_heads * arch.head_dim
         residual = F.embedding(input_ids, self.embed)  # (num_tokens, hidden)
-        x = ops.rms_norm(residual, self.layers[0]["input_norm"], arch.rms_norm_eps)
+        if arch.embed_scale != 1.0:
+            residual = residual * self._embed_scale
+        x = ops.rms_norm(residual, self.layers[0]["input_norm"], eps)
         for i, layer in enumerate(self.layers):
             if i:  # the residual add fused into the norm of the next block
-                x, residual = ops.add_rms_norm(x, residual, layer["input_norm"], arch.rms_norm_eps)
+                x, residual = ops.add_rms_norm(x, residual, layer["input_norm"], eps)
             qkv = layer["qkv"](x)  # (num_tokens, q + 2 kv)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(-1, arch.num_heads, arch.head_dim)  # (num_tokens, num_heads, head_dim)
             k = k.view(-1, arch.num_kv_heads, arch.head_dim)
             v = v.view(-1, arch.num_kv_heads, arch.head_dim)
             if arch.qk_norm:
-                q = rms_norm(q, layer["q_norm"], arch.rms_norm_eps)
-                k = rms_norm(k, layer["k_norm"], arch.rms_norm_eps)
-            q, k = ops.rope(q, k, rope)
+                q = ops.head_norm(q, layer["q_norm"], eps)
+                k = ops.head_norm(k, layer["k_norm"], eps)
+            if self._q_factor is not None:
+                q = q * self._q_factor
+            q, k = ops.rope(q, k, ropes[arch.rope_layer_types[i]])
             x = layer["o"](attn.forward(i, q, k, v))
-            x, residual = ops.add_rms_norm(x, residual, layer["post_norm"], arch.rms_norm_eps)
+            if "attn_out_norm" in layer:
+                x = ops.rms_norm(x, layer["attn_out_norm"], eps)
+            x, residual = ops.add_rms_norm(x, residual, layer["post_norm"], eps)
             x = layer["mlp"](x)
+            if "mlp_out_norm" in layer:
+                x = ops.rms_norm(x, layer["mlp_out_norm"], eps)
         if logit_rows is None:
             return torch.empty(0, arch.vocab_size)
         last = residual[logit_rows] + x[logit_rows]  # (num_logit_rows, hidden)
-        return self.lm_head(ops.rms_norm(last, self.final_norm, arch.rms_norm_eps)).float()
+        logits = self.lm_head(ops.rms_norm(last, self.final_norm, eps)).float()
+        if arch.final_softcap:
+            logits = torch.tanh(logits / arch.final_softcap) * arch.final_softcap
+        return logits
 
-    def ensure_rope(self, num_positions: int) -> RopeTables:
+    def ensure_rope(self, num_positions: int) -> dict[str | None, RopeTables]:
         """RoPE tables covering positions 0..num_positions-1, built now. A captured graph reads
         the tables it was captured with; if they are regrown later, the graph's holder keeps
         the old ones alive (their rows for these positions are the same)."""
@@ -151,14 +180,17 @@ class LlamaModel:
 
     def _ensure_rope(self, num_positions: int) -> None:
         """RoPE tables for num_positions, grown by doubling, as in transformers."""
-        have = 0 if self._rope is None else self._rope.num_positions
+        have = next(iter(self._rope.values())).num_positions if self._rope else 0
         if num_positions <= have:
             return
-        self._rope = RopeTables.build(
-            self._inv_freq,
-            self._rope_scale,
-            max(num_positions, 2 * have),
-            self.dtype,
-            self.device,
-            with_cos_sin=self.ops.needs_cos_sin,
-        )
+        self._rope = {
+            kind: RopeTables.build(
+                inv_freq,
+                scale,
+                max(num_positions, 2 * have),
+                self.dtype,
+                self.device,
+                with_cos_sin=self.ops.needs_cos_sin,
+            )
+            for kind, (inv_freq, scale) in self._rope_params.items()
+        }

@@ -17,19 +17,19 @@ from runtime.model.arch import ModelArch
 from runtime.model.linear import Linear
 
 Getter = Callable[[str], torch.Tensor]
-SiluMul = Callable[[torch.Tensor], torch.Tensor]
+ActMul = Callable[[torch.Tensor], torch.Tensor]
 
 
 class GatedMLP:
-    """down(silu(gate(x)) * up(x)) with gate/up fused into one matmul; `silu_mul` takes the
+    """down(act(gate(x)) * up(x)) with gate/up fused into one matmul; `act_mul` takes the
     fused (tokens, 2 * intermediate) output (one kernel on CUDA, runtime/model/pointwise.py)."""
 
-    def __init__(self, gate_up: Linear, down: Linear, silu_mul: SiluMul) -> None:
+    def __init__(self, gate_up: Linear, down: Linear, act_mul: ActMul) -> None:
         self.gate_up, self.down = gate_up, down  # (2*intermediate, hidden), (hidden, intermediate)
-        self.silu_mul = silu_mul
+        self.act_mul = act_mul
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.silu_mul(self.gate_up(x)))
+        return self.down(self.act_mul(self.gate_up(x)))
 
     @property
     def num_params(self) -> int:
@@ -70,7 +70,7 @@ class SparseMoE:
 
 
 def load_feed_forward(
-    arch: ModelArch, layer: int, get: Getter, names: set[str], pack: bool, silu_mul: SiluMul
+    arch: ModelArch, layer: int, get: Getter, names: set[str], pack: bool, act_mul: ActMul
 ) -> GatedMLP | SparseMoE:
     """Layer `layer`'s feed-forward block from its checkpoint tensors."""
     p = f"model.layers.{layer}."
@@ -80,7 +80,7 @@ def load_feed_forward(
         else:
             gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         down = Linear(get(p + "mlp.down_proj.weight"), None, pack)
-        return GatedMLP(Linear(gate_up, None, pack), down, silu_mul)
+        return GatedMLP(Linear(gate_up, None, pack), down, act_mul)
     block = p + ("block_sparse_moe." if p + "block_sparse_moe.gate.weight" in names else "mlp.")
     gate_up, down = _expert_weights(arch.num_experts, block + "experts.", get, names)
     return SparseMoE(

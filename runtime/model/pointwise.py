@@ -1,8 +1,10 @@
-"""The decoder's small per-token ops: RMSNorm, residual add + RMSNorm, RoPE, SiLU-and-mul.
+"""The decoder's small per-token ops: RMSNorm, residual add + RMSNorm, RoPE, gated activation.
 
-One interface, two implementations, chosen by `pointwise_ops(device)`:
-- `TorchOps`, the reference on every device, with transformers' numerics (norms in fp32, the
-  normalized activations cast back before the weight multiplies);
+One interface, two implementations, chosen by `pointwise_ops(device, arch)`:
+- `TorchOps`, the reference on every device, with transformers' numerics: Llama-style norms in
+  fp32 with the normalized activations cast back before the weight multiplies; Gemma-style
+  norms (`gemma_norms`, weights held as 1 + w in fp32) multiply in fp32 and cast after; the
+  gated MLP's activation is SiLU or tanh-GELU;
 - `FlashInferOps` on CUDA where flashinfer is installed: one fused kernel per op. In eager
   PyTorch each of these is 5-10 elementwise kernels, so a decode step of a 32-layer model is
   over a thousand launches, which even a CUDA graph pays for one by one (about 2 us each).
@@ -10,6 +12,7 @@ One interface, two implementations, chosen by `pointwise_ops(device)`:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,11 +55,25 @@ class RopeTables:
         return self.cos.shape[0]
 
 
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
+
+
 class TorchOps:
     name = "torch"
     needs_cos_sin = False
 
+    def __init__(self, gemma_norms: bool = False, hidden_act: str = "silu") -> None:
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(f"activation {hidden_act!r} is not supported: {sorted(ACTIVATIONS)}")
+        self.gemma_norms = gemma_norms
+        self._act = ACTIVATIONS[hidden_act]
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.gemma_norms:
+            return gemma_rms_norm(x, weight, eps)
         return rms_norm(x, weight, eps)
 
     def add_rms_norm(
@@ -64,7 +81,11 @@ class TorchOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): the next block's input and the new residual."""
         residual = residual + x
-        return rms_norm(residual, weight, eps), residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def head_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Per-head RMSNorm of q or k, (tokens, heads, head_dim): always the reference."""
+        return TorchOps.rms_norm(self, x, weight, eps)
 
     def rope_context(self, positions: torch.Tensor, tables: RopeTables) -> Any:
         """What every layer's `rope` needs for these positions, gathered once per forward."""
@@ -75,10 +96,10 @@ class TorchOps:
         cos, sin = context
         return rotate(q, cos, sin), rotate(k, cos, sin)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """(tokens, 2 * intermediate) -> silu(gate) * up, (tokens, intermediate)."""
+    def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(tokens, 2 * intermediate) -> act(gate) * up, (tokens, intermediate)."""
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return self._act(gate) * up
 
 
 class FlashInferOps(TorchOps):
@@ -88,6 +109,7 @@ class FlashInferOps(TorchOps):
     def __init__(self) -> None:
         import flashinfer  # lazy: only on CUDA
 
+        super().__init__()
         self._fi = flashinfer
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -108,23 +130,31 @@ class FlashInferOps(TorchOps):
         )
         return q, k
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._fi.activation.silu_and_mul(gate_up)
 
 
-def pointwise_ops(device: torch.device) -> TorchOps:
-    """flashinfer's fused kernels on CUDA when installed, else the torch reference."""
+def pointwise_ops(device: torch.device, gemma_norms: bool, hidden_act: str) -> TorchOps:
+    """flashinfer's fused kernels on CUDA when installed, for Llama-style models (SiLU, plain
+    norms); the torch reference otherwise (Gemma's variants have not run on a GPU here)."""
     import importlib.util
 
-    if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
+    fused = device.type == "cuda" and not gemma_norms and hidden_act == "silu"
+    if fused and importlib.util.find_spec("flashinfer") is not None:
         return FlashInferOps()
-    return TorchOps()
+    return TorchOps(gemma_norms, hidden_act)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: `weight` holds 1 + w (fp32), multiplied before the cast back."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

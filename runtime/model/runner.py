@@ -65,6 +65,7 @@ class ModelRunner:
             arch.sliding_windows,
             arch.num_heads,
             config.page_size,
+            arch.attn_softcap,
         )
         self.decode_graphs: DecodeGraphs | None = None
         if graphs and self.attention.supports_decode_graphs:

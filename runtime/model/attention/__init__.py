@@ -30,6 +30,7 @@ def make_attention_backend(
     sliding_windows: tuple[int | None, ...],
     num_heads: int = 0,
     page_size: int = 1,
+    softcap: float | None = None,
 ) -> AttentionBackend:
     """The backend called `name` over `pool`; "auto" picks the fastest that works here.
 
@@ -38,8 +39,10 @@ def make_attention_backend(
     installed, else torch. The chosen name is `backend.name` (and in the engine's stats).
     """
     if name == "auto":
+        # flashinfer takes one window for every layer (Gemma's alternate: the reference then)
+        uniform = len(set(sliding_windows)) <= 1
         name = choose_backend(
-            pool.device.type, pool.device.type == "cuda" and flashinfer_importable()
+            pool.device.type, pool.device.type == "cuda" and uniform and flashinfer_importable()
         )
         if name == "cpu":
             from runtime.model.attention.cpu_kernels import KernelBuildError, load_cpu_kernels
@@ -55,15 +58,15 @@ def make_attention_backend(
             raise ValueError("the 'cpu' attention backend needs the pool on the CPU")
         from runtime.model.attention.cpu_backend import CpuPagedAttention
 
-        return CpuPagedAttention(pool, sliding_windows)
+        return CpuPagedAttention(pool, sliding_windows, softcap)
     if name == "torch":
         from runtime.model.attention.torch_backend import TorchAttention
 
-        return TorchAttention(pool, sliding_windows)
+        return TorchAttention(pool, sliding_windows, softcap)
     if name == "flashinfer":
         if pool.device.type != "cuda":
             raise ValueError("the flashinfer attention backend needs a CUDA device; use 'torch'")
         from runtime.model.attention.flashinfer_backend import FlashInferAttention
 
-        return FlashInferAttention(pool, sliding_windows, num_heads, page_size)
+        return FlashInferAttention(pool, sliding_windows, num_heads, page_size, softcap)
     raise ValueError(f"unknown attention backend {name!r}; choose one of {ATTENTION_BACKENDS}")

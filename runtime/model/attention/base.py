@@ -22,9 +22,15 @@ class AttentionBackend(ABC):
     name: str
     supports_decode_graphs = False  # plans a captured decode graph's batch in static buffers
 
-    def __init__(self, pool: KVPool, sliding_windows: tuple[int | None, ...]) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        sliding_windows: tuple[int | None, ...],
+        softcap: float | None = None,
+    ) -> None:
         self.pool = pool
         self.sliding_windows = sliding_windows
+        self.softcap = softcap  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
 
     @abstractmethod
     def plan(self, batch: ForwardBatch) -> None:

@@ -66,13 +66,14 @@ class CpuPagedAttention(TorchAttention):
     max_kernel_extend = 32
     min_shared_tokens = 64  # below this a shared prefix is cheaper attended per sequence
 
-    def __init__(self, pool, sliding_windows) -> None:
-        super().__init__(pool, sliding_windows)
+    def __init__(self, pool, sliding_windows, softcap=None) -> None:
+        super().__init__(pool, sliding_windows, softcap)
         from runtime.model.attention.cpu_kernels import load_cpu_kernels
 
         self._kernels = load_cpu_kernels()
-        # windowed layers would need the window applied across the cascade's two halves
-        self._cascade_enabled = all(w is None for w in sliding_windows)
+        # windowed layers would need the window applied across the cascade's two halves, and
+        # the flash kernel that attends the shared prefix has no soft-capping
+        self._cascade_enabled = all(w is None for w in sliding_windows) and softcap is None
         self._prefix_workspace = torch.empty((2, 0, *pool.k[0].shape[1:]), dtype=pool.dtype)
         self.cascade_passes = 0  # forward passes that attended a shared prefix once
 
@@ -120,6 +121,7 @@ class CpuPagedAttention(TorchAttention):
             decodes.qo_indptr,
             q.shape[-1] ** -0.5,
             window or 0,
+            self.softcap or 0.0,
         )
 
     def _plan_cascade(self, prefix: SharedPrefix, seqs: list[SeqSpan]) -> _Cascade:

@@ -24,7 +24,7 @@ class KernelBuildError(RuntimeError):
 @functools.cache
 def load_cpu_kernels() -> Any:
     """The ops namespace with `paged_attention(q, k_pool, v_pool, slots, kv_indptr, qo_indptr,
-    scale, window)`."""
+    scale, window, softcap)`; softcap 0 leaves the scores uncapped."""
     import torch
     from torch.utils.cpp_extension import load
 

@@ -53,10 +53,10 @@ class FlashInferAttention(AttentionBackend):
     name = "flashinfer"
     supports_decode_graphs = True
 
-    def __init__(self, pool, sliding_windows, num_heads: int, page_size: int) -> None:
+    def __init__(self, pool, sliding_windows, num_heads: int, page_size: int, softcap=None) -> None:
         import flashinfer  # lazy: never imported on the CPU path
 
-        super().__init__(pool, sliding_windows)
+        super().__init__(pool, sliding_windows, softcap)
         self._flashinfer = flashinfer
         self.page_size = page_size
         self.num_heads = num_heads
@@ -75,6 +75,7 @@ class FlashInferAttention(AttentionBackend):
     def _plan_args(self) -> dict:
         return dict(
             window_left=self._window_left,
+            logits_soft_cap=self.softcap,
             q_data_type=self.pool.dtype,
             kv_data_type=self.pool.dtype,
         )

@@ -60,8 +60,8 @@ class _PaddedDecodes:
 class TorchAttention(AttentionBackend):
     name = "torch"
 
-    def __init__(self, pool, sliding_windows) -> None:
-        super().__init__(pool, sliding_windows)
+    def __init__(self, pool, sliding_windows, softcap=None) -> None:
+        super().__init__(pool, sliding_windows, softcap)
         # (2, capacity, num_kv_heads, head_dim): gathered K and V, reused by every layer
         self._workspace = torch.empty(
             (2, 0, *pool.k[0].shape[1:]), dtype=pool.dtype, device=pool.device
@@ -144,7 +144,7 @@ class TorchAttention(AttentionBackend):
             else:
                 k_seq, v_seq = self.gather_kv(layer, ext.slots)
             mask = self._extend_mask(i, ext, window)
-            out[rows] = _sdpa(q[rows], k_seq, v_seq, mask, causal=mask is None)
+            out[rows] = _sdpa(q[rows], k_seq, v_seq, mask, mask is None, self.softcap)
 
     def _attend_decodes(self, layer: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
         """q (num_decodes, num_heads, head_dim) -> same shape; one padded SDPA call."""
@@ -154,8 +154,8 @@ class TorchAttention(AttentionBackend):
         k = k.view(*group.slots.shape, *k.shape[1:])
         v = v.view(*group.slots.shape, *v.shape[1:])
         mask = self._decode_mask(window)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
+        out = attention(
+            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask, False, self.softcap
         )  # (num_decodes, num_heads, 1, head_dim)
         return out.squeeze(2)
 
@@ -210,15 +210,46 @@ class TorchAttention(AttentionBackend):
 
 
 def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    softcap: float | None,
 ) -> torch.Tensor:
     """q (n, heads, d), k/v (L, kv_heads, d) -> (n, heads, d)."""
-    out = F.scaled_dot_product_attention(
+    out = attention(
         q.transpose(0, 1).unsqueeze(0),  # (1, heads, n, d)
         k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        is_causal=causal,
-        enable_gqa=True,
+        mask,
+        causal,
+        softcap,
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q (B, heads, n, d), k/v (B, kv_heads, L, d) -> (B, heads, n, d). `mask` (bool, True =
+    attend) broadcasts to (B, heads, n, L); `causal` needs n == L. PyTorch's SDPA, or by hand
+    when the scores are soft-capped (SDPA has no cap), with transformers' eager numerics."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True
+        )
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, heads, n, L)
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v

@@ -34,7 +34,7 @@ void attention_kernel(
     const int64_t* qo_indptr,   // (B + 1,) offsets into q rows
     scalar_t* out,              // (T, H, D)
     float* lse,                 // (T, H): log-sum-exp of the scaled scores
-    int64_t B, int64_t H, int64_t KVH, int64_t D, float scale, int64_t window) {
+    int64_t B, int64_t H, int64_t KVH, int64_t D, float scale, int64_t window, float softcap) {
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;  // one slot's K (or V) for all kv heads: contiguous
   // One task per sequence: each K/V row is read once, whole, for every head and query row.
@@ -66,6 +66,7 @@ void attention_kernel(
             const float* kh = rowf.data() + (h / G) * D;
             float s = 0.f;
             for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
+            if (softcap > 0.f) s = softcap * std::tanh(s / softcap);  // Gemma 2's logit cap
             scores[(r * H + h) * span + (j - lo)] = s;
           }
         }
@@ -110,7 +111,7 @@ void attention_kernel(
 std::tuple<torch::Tensor, torch::Tensor> paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
                               const torch::Tensor& v_pool, const torch::Tensor& slots,
                               const torch::Tensor& kv_indptr, const torch::Tensor& qo_indptr,
-                              double scale, int64_t window) {
+                              double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3, "q (T,H,D) and pools (S,KVH,D) expected");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(),
               "contiguous tensors expected");
@@ -128,7 +129,8 @@ std::tuple<torch::Tensor, torch::Tensor> paged_attention(const torch::Tensor& q,
                                v_pool.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
                                kv_indptr.data_ptr<int64_t>(), qo_indptr.data_ptr<int64_t>(),
                                out.data_ptr<scalar_t>(), lse.data_ptr<float>(), B, H, KVH, D,
-                               static_cast<float>(scale), window);
+                               static_cast<float>(scale), window,
+                               static_cast<float>(softcap));
   });
   return {out, lse};
 }
@@ -136,7 +138,8 @@ std::tuple<torch::Tensor, torch::Tensor> paged_attention(const torch::Tensor& q,
 // A registered op (torch.ops.flowlang.paged_attention): visible to the profiler, no pybind.
 TORCH_LIBRARY(flowlang, m) {
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, "
-        "Tensor kv_indptr, Tensor qo_indptr, float scale, int window) -> (Tensor, Tensor)");
+        "Tensor kv_indptr, Tensor qo_indptr, float scale, int window, float softcap) -> "
+        "(Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(flowlang, CPU, m) { m.impl("paged_attention", &paged_attention); }
