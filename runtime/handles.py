@@ -48,6 +48,13 @@ class RequestHandle:
             if chunk.text:
                 yield chunk.text
 
+    def chunks(self) -> Iterator[StreamChunk]:
+        """Everything produced since the previous chunk (handles made without a loop)."""
+        if self._adeltas is not None:
+            raise RuntimeError("this handle streams to achunks() (it was made with a loop)")
+        while (chunk := self._deltas.get()) is not _DONE:
+            yield chunk
+
     async def astream(self) -> AsyncIterator[str]:
         """Text deltas, for handles submitted with an event loop."""
         async for chunk in self.achunks():

@@ -213,3 +213,33 @@ def test_http_front_serves_the_same_api_and_refuses_bad_input(fresh, single):
     finally:
         thread.stop()
     assert fresh.router.replica_ids  # the front did not stop the cluster it does not own
+
+
+def test_http_front_streams_token_by_token(fresh, single):
+    """A streaming client of the front gets the replica's chunks as they come (several, not
+    one at the end), and together they are the answer a non-streaming request gets."""
+    import json
+
+    import httpx
+    from conftest import ServerThread
+
+    from runtime.cluster.front import ClusterEngine
+
+    thread = ServerThread(ClusterEngine(fresh, owns_cluster=False))
+    body = {"model": "m", "prompt": list(range(300, 340)), "max_tokens": 12, "temperature": 0}
+    try:
+        with httpx.Client(base_url=thread.url, timeout=60) as client:
+            whole = client.post("/v1/completions", json=body)
+            assert whole.status_code == 200, whole.text
+            pieces = []
+            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as reply:
+                assert reply.status_code == 200
+                for line in reply.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        text = json.loads(line[6:])["choices"][0]["text"]
+                        if text:
+                            pieces.append(text)
+    finally:
+        thread.stop()
+    assert len(pieces) >= 2, pieces  # streamed, not delivered whole at the end
+    assert "".join(pieces) == whole.json()["choices"][0]["text"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +22,14 @@ from runtime.cluster.ray_support import init_ray
 from runtime.cluster.replica import replica_actor_class
 from runtime.cluster.router import NoReplicaError, Router
 from runtime.config import EngineConfig
-from runtime.protocol import GenerateRequest, GenerateResult, GraphHints, PinInfo, ScoreRequest
+from runtime.protocol import (
+    GenerateRequest,
+    GenerateResult,
+    GraphHints,
+    PinInfo,
+    ScoreRequest,
+    StreamChunk,
+)
 from runtime.results import error_result
 
 EVENT_POLL_S = 0.05  # how long one event poll waits on a quiet replica
@@ -98,9 +105,15 @@ class Cluster:
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- requests
-    def submit(self, request: GenerateRequest, prefer: int | None = None) -> Future:
-        """Run a request on the routed (or `prefer`red) replica; the future gets one result."""
-        return self._executor.submit(self._generate, request, prefer)
+    def submit(
+        self,
+        request: GenerateRequest,
+        prefer: int | None = None,
+        on_chunk: Callable[[StreamChunk], None] | None = None,
+    ) -> Future:
+        """Run a request on the routed (or `prefer`red) replica; the future gets one result.
+        With `on_chunk`, the replica streams: each chunk is passed on as it arrives."""
+        return self._executor.submit(self._generate, request, prefer, on_chunk)
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         """Run requests concurrently; results in order."""
@@ -131,23 +144,38 @@ class Cluster:
         """The replica holding a pin (None once released or its replica died)."""
         return self.router.replica_of_pin(pin_id)
 
-    def _generate(self, request: GenerateRequest, prefer: int | None) -> GenerateResult:
-        ids = request.input_ids or []
+    def _generate(self, request: GenerateRequest, prefer: int | None, on_chunk) -> GenerateResult:
+        ids, rid = request.input_ids or [], request.rid
+        method = "generate" if on_chunk is None else "generate_stream"
         try:
-            return self._call(request.rid, ids, request.namespace, prefer, "generate", request)
+            return self._call(
+                rid, ids, request.namespace, prefer, method, request, on_chunk=on_chunk
+            )
         except NoReplicaError as err:
-            return error_result(request.rid, f"no replica could run the request: {err}")
+            return error_result(rid, f"no replica could run the request: {err}")
+        except StreamBrokenError as err:
+            return error_result(rid, str(err))
 
-    def _call(self, rid, ids, namespace, prefer, method: str, *args, where: bool = False):
-        """Route, call `method` on the replica's actor, re-route if the replica dies."""
+    def _call(
+        self, rid, ids, namespace, prefer, method: str, *args, where: bool = False, on_chunk=None
+    ):
+        """Route, call `method` on the replica's actor, re-route if the replica dies (unless
+        part of a streamed answer has already gone to the client: then StreamBrokenError)."""
         ray = self._ray
         for _ in range(self.config.max_attempts):
             replica_id = self.router.route(rid, ids, namespace, prefer)
+            streamed = [0]  # chunks passed on
             try:
-                answer = ray.get(getattr(self.actors[replica_id], method).remote(*args))
+                call = getattr(self.actors[replica_id], method).remote(*args)
+                answer = ray.get(call) if on_chunk is None else _relay(call, on_chunk, streamed)
             except ray.exceptions.RayActorError:  # died (or unreachable) under the request
                 self.router.finish(rid)
                 self._lost(replica_id)
+                if streamed[0]:
+                    raise StreamBrokenError(
+                        f"{rid}: the replica streaming it died after {streamed[0]} chunks; "
+                        "the answer so far stands, retry for the rest"
+                    ) from None
                 prefer = None
                 with self._lock:  # callers run on many threads
                     self.num_reruns += 1
@@ -275,3 +303,23 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class StreamBrokenError(RuntimeError):
+    """A replica died after part of a streamed answer reached the client: it cannot be re-run
+    elsewhere without repeating what was sent."""
+
+
+def _relay(stream, on_chunk: Callable[[StreamChunk], None], streamed: list[int]) -> Any:
+    """Pass a replica's streamed chunks on as they arrive; return its final answer."""
+    import ray
+
+    answer = None
+    for ref in stream:
+        kind, value = ray.get(ref)
+        if kind == "chunk":
+            on_chunk(value)
+            streamed[0] += 1
+        else:
+            answer = value
+    return answer

@@ -2,8 +2,7 @@
 
 `create_app(ClusterEngine(cluster), settings)` serves the same SGLang, OpenAI and flowlang
 routes as one engine. Requests are validated here, at the front (a bad one gets its 4xx before
-it is routed), then routed; an answer comes whole (no token streaming across replicas: a
-streaming client gets one chunk, then the end).
+it is routed), then routed; the replica streams its chunks back through Ray as they come.
 """
 
 from __future__ import annotations
@@ -54,14 +53,20 @@ class ClusterEngine:
     def submit(
         self, request: GenerateRequest, loop: asyncio.AbstractEventLoop | None = None
     ) -> RequestHandle:
-        """Validate, route and run; the handle gets one chunk and the result."""
+        """Validate, route and run; the handle streams the replica's chunks, then the result."""
         self._check_open()
         req = self.intake.generate_req(request)  # InvalidRequestError: the client's 4xx
         if request.input_ids is None:  # route (and run) on the ids validated here
             request = request.model_copy(update={"input_ids": list(req.prompt_ids), "text": None})
         handle = RequestHandle(request.rid, self.abort, loop)
-        future = self.cluster.submit(request)
-        future.add_done_callback(lambda done: _deliver(handle, request.rid, done))
+        streamed = [0]
+
+        def on_chunk(chunk: StreamChunk) -> None:
+            streamed[0] += 1
+            handle.push_chunk(chunk)
+
+        future = self.cluster.submit(request, on_chunk=on_chunk)
+        future.add_done_callback(lambda done: _deliver(handle, request.rid, done, streamed[0]))
         return handle
 
     def pin(self, prefix: Any, namespace: str | None = None, hints: GraphHints | None = None):
@@ -125,12 +130,16 @@ class ClusterEngine:
             raise EngineClosedError("the cluster front is closed")
 
 
-def _deliver(handle: RequestHandle, rid: str, done: Future) -> None:
-    """Hand a routed request's one result to its handle (as one chunk, then the result)."""
+def _deliver(handle: RequestHandle, rid: str, done: Future, num_streamed: int) -> None:
+    """End a routed request's stream with its result; if nothing was streamed (an error
+    before the first token), the result's text goes as one chunk first."""
     try:
         result = done.result()
     except Exception as err:  # noqa: BLE001 - the client gets it as its request's error
         result = error_result(rid, f"the cluster could not run the request: {err}")
+    if num_streamed:
+        handle.deliver(result)
+        return
     chunk = StreamChunk(
         text=result.text,
         output_ids=list(result.output_ids),

@@ -7,6 +7,7 @@ The class is plain Python (testable in-process); `replica_actor_class` wraps it 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from runtime.cache.events import KVEvent, KVEventsLostError, KVSnapshot
@@ -53,6 +54,14 @@ class Replica:
         """Run one request; also return the event seq that covers its insert into the tree."""
         (result,) = self.engine.generate(request)
         return result, self._subscription.last_seq
+
+    def generate_stream(self, request: GenerateRequest) -> Iterator[tuple[str, Any]]:
+        """Run one request, yielding ("chunk", StreamChunk) as its tokens come (a Ray
+        generator: each reaches the caller at once), then ("result", (result, event seq))."""
+        handle = self.engine.submit(request)
+        for chunk in handle.chunks():
+            yield "chunk", chunk
+        yield "result", (handle.result(), self._subscription.last_seq)
 
     def score(self, request: ScoreRequest) -> tuple[Any, int]:
         """Score continuations; also return the event seq after it."""
