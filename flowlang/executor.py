@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -56,11 +55,15 @@ class StreamExecutor:
         self.variables: dict[str, Any] = {}
         self.metadata: dict[str, dict[str, Any]] = {}
         self.declared: set[str] = set()
-        self.streams: dict[str, queue.Queue] = defaultdict(queue.Queue)
+        self.streams: dict[str, queue.Queue] = {}  # per gen: its text deltas (see _event)
         self.feed = TextFeed()  # everything appended, for `s.text_iter()`
         self.forks: dict[str, _ForkRecord] = {}
         self.error: BaseException | None = None
-        self._events: dict[str, threading.Event] = defaultdict(threading.Event)
+        # one Event per variable, made under a lock: the reader and the worker may ask for
+        # the same name at once, and two Events for one name would strand the reader
+        self._events: dict[str, threading.Event] = {}
+        self._events_lock = threading.Lock()
+        self._woken = False  # after wake_all, new Events start set and new streams ended
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0
         self._num_queued_requests = 0  # gen/select/fork nodes submitted and not yet run
@@ -113,13 +116,30 @@ class StreamExecutor:
             raise UnknownVariableError(
                 f"no gen/select defines {name!r} in this state; defined: {known}"
             )
-        self._events[name].wait()
+        self._event(name).wait()
         if name not in self.variables:
             cause = self.error or self.ctx.error
             if isinstance(cause, FlowlangError):
                 raise cause
             raise ExecutionError(f"{name!r} was not produced: {cause!r}") from cause
         return self.variables[name]
+
+    def _stream(self, name: str) -> queue.Queue:
+        with self._events_lock:
+            if name not in self.streams:
+                self.streams[name] = queue.Queue()
+                if self._woken:  # the run failed: nothing will stream here
+                    self.streams[name].put(_END)
+            return self.streams[name]
+
+    def _event(self, name: str) -> threading.Event:
+        with self._events_lock:
+            event = self._events.get(name)
+            if event is None:
+                event = self._events[name] = threading.Event()
+                if self._woken:
+                    event.set()
+            return event
 
     def set(self, name: str, value: Any) -> None:
         """Define variable `name` now (readers waiting for it get `value`)."""
@@ -139,7 +159,7 @@ class StreamExecutor:
             return
         if name not in self.declared:
             self.get(name)  # raises the clear unknown-variable error
-        deltas = self.streams[name]
+        deltas = self._stream(name)
         while (delta := deltas.get()) is not _END:
             yield delta
         deltas.put(_END)  # a later iteration ends too
@@ -167,9 +187,14 @@ class StreamExecutor:
     def wake_all(self) -> None:
         """Unblock readers and let the queue drain (after a failure in the run)."""
         self._started.set()
-        for event in list(self._events.values()):
+        with self._events_lock:
+            self._woken = True
+            events = list(self._events.values())
+        for event in events:
             event.set()
-        for deltas in list(self.streams.values()):
+        with self._events_lock:
+            streams = list(self.streams.values())
+        for deltas in streams:
             deltas.put(_END)
 
     # ------------------------------------------------------------------ worker side
@@ -239,7 +264,7 @@ class StreamExecutor:
             namespace=self.ctx.namespace,
         )
         handle = self.ctx.backend.generate(request)
-        stream = self.streams[node.name] if node.name is not None else queue.Queue()
+        stream = self._stream(node.name) if node.name is not None else queue.Queue()
         streamed = ""
         for delta in handle:
             stream.put(delta)
@@ -311,4 +336,4 @@ class StreamExecutor:
             return
         self.variables[name] = value
         self.metadata[name] = meta
-        self._events[name].set()
+        self._event(name).set()
