@@ -62,7 +62,12 @@ class FlashInferAttention(AttentionBackend):
         self.num_heads = num_heads
         self.num_kv_heads, self.head_dim = pool.k[0].shape[1:]
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
+        # grouped heads (4+ queries per KV head) decode faster on tensor cores, which run
+        # flashinfer's prefill kernels (the module the extends already use), as SGLang does
+        self._tensor_cores = num_heads // self.num_kv_heads >= 4
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_tensor_cores=self._tensor_cores
+        )
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace, "NHD", backend=PREFILL_KERNELS
         )
@@ -105,6 +110,7 @@ class FlashInferAttention(AttentionBackend):
                 self._workspace,
                 "NHD",
                 use_cuda_graph=True,
+                use_tensor_cores=self._tensor_cores,
                 paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=device),
                 paged_kv_indices_buffer=self._graph_indices,
                 paged_kv_last_page_len_buffer=torch.zeros(size, dtype=torch.int32, device=device),
