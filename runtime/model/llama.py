@@ -67,7 +67,7 @@ class LlamaModel:
         # (inverse frequencies, scale) per RoPE parameter set; None keys the only one
         self._rope_params = {t: arch.rope_inv_freq(t) for t in set(arch.rope_layer_types)}
         self._rope: dict[str | None, RopeTables] = {}
-        self._ensure_rope(min(arch.max_context_len, 4096))
+        self.ensure_rope(min(arch.max_context_len, 4096))
 
     def _load_layer(self, i: int, weights, get, norm, pack: bool) -> dict:
         arch = self.arch
@@ -116,7 +116,7 @@ class LlamaModel:
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Logits (num_logit_rows, vocab) in fp32. `attn.plan(batch)` must have run."""
-        self._ensure_rope(int(batch.positions.max()) + 1)  # a host tensor: no device sync
+        self.ensure_rope(int(batch.positions.max()) + 1)  # a host tensor: no device sync
         rows = batch.logit_rows
         return self.forward_tokens(
             batch.input_ids.to(self.device),
@@ -172,25 +172,21 @@ class LlamaModel:
         return logits
 
     def ensure_rope(self, num_positions: int) -> dict[str | None, RopeTables]:
-        """RoPE tables covering positions 0..num_positions-1, built now. A captured graph reads
-        the tables it was captured with; if they are regrown later, the graph's holder keeps
-        the old ones alive (their rows for these positions are the same)."""
-        self._ensure_rope(num_positions)
-        return self._rope
-
-    def _ensure_rope(self, num_positions: int) -> None:
-        """RoPE tables for num_positions, grown by doubling, as in transformers."""
+        """RoPE tables covering positions 0..num_positions-1, grown by doubling as in
+        transformers. A captured graph reads the tables it was captured with; if they are
+        regrown later, the graph's holder keeps the old ones alive (same rows for its positions).
+        """
         have = next(iter(self._rope.values())).num_positions if self._rope else 0
-        if num_positions <= have:
-            return
-        self._rope = {
-            kind: RopeTables.build(
-                inv_freq,
-                scale,
-                max(num_positions, 2 * have),
-                self.dtype,
-                self.device,
-                with_cos_sin=self.ops.needs_cos_sin,
-            )
-            for kind, (inv_freq, scale) in self._rope_params.items()
-        }
+        if num_positions > have:
+            self._rope = {
+                kind: RopeTables.build(
+                    inv_freq,
+                    scale,
+                    max(num_positions, 2 * have),
+                    self.dtype,
+                    self.device,
+                    with_cos_sin=self.ops.needs_cos_sin,
+                )
+                for kind, (inv_freq, scale) in self._rope_params.items()
+            }
+        return self._rope

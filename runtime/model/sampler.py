@@ -16,6 +16,12 @@ import torch
 
 from runtime.protocol import SamplingParams
 
+NO_TOKEN = "no token can be sampled here (the constraint or the model left none)"
+NO_DISTRIBUTION = (
+    "the sampling parameters leave no valid distribution (temperature, penalties or "
+    "top-k/top-p/min-p too extreme)"
+)
+
 
 @dataclass
 class SamplerState:
@@ -90,7 +96,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerState]) -> SampleOutput:
     # a row fails alone: NaN logits, or a mask that leaves no token
     errors: list[str | None] = [None] * num_rows
     for i in (torch.isnan(logits).any(dim=-1) | (logits.amax(dim=-1) == -torch.inf)).nonzero():
-        errors[int(i)] = "no token can be sampled here (the constraint or the model left none)"
+        errors[int(i)] = NO_TOKEN
     chosen = torch.zeros(num_rows, dtype=torch.int64)
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy and errors[i] is None]
     if greedy:
@@ -101,10 +107,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerState]) -> SampleOutput:
         valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)  # (num_sampled,)
         for j, i in enumerate(sampled):
             if not valid[j]:
-                errors[i] = (
-                    "the sampling parameters leave no valid distribution (temperature, "
-                    "penalties or top-k/top-p/min-p too extreme)"
-                )
+                errors[i] = NO_DISTRIBUTION
                 continue
             chosen[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
 
@@ -147,12 +150,9 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplerState]) -> Samp
     errors: list[str | None] = [None] * num_rows
     for i in range(num_rows):
         if bad[i]:
-            errors[i] = "no token can be sampled here (the constraint or the model left none)"
+            errors[i] = NO_TOKEN
         elif invalid[i]:
-            errors[i] = (
-                "the sampling parameters leave no valid distribution (temperature, "
-                "penalties or top-k/top-p/min-p too extreme)"
-            )
+            errors[i] = NO_DISTRIBUTION
     return SampleOutput(token_ids, [None] * num_rows, [None] * num_rows, errors)
 
 

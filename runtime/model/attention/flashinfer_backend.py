@@ -76,6 +76,8 @@ class FlashInferAttention(AttentionBackend):
         if len(windows) > 1 or (windows and None in sliding_windows):
             raise NotImplementedError("flashinfer backend: one sliding window for every layer")
         self._window_left = windows[0] - 1 if windows else -1
+        # what every plan is told of the heads and pages
+        self._shape = (num_heads, self.num_kv_heads, self.head_dim, page_size)
 
     def _plan_args(self) -> dict:
         return dict(
@@ -88,16 +90,15 @@ class FlashInferAttention(AttentionBackend):
     def plan(self, batch: ForwardBatch) -> None:
         indptr, indices, last_len = page_table(batch.kv_slots, self.page_size)
         self._out_slots = batch.out_slots.to(self.pool.device)
-        shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.page_size)
         if all(e == 1 for e in batch.extend_lens):
             self._wrapper = self._decode
-            self._decode.plan(indptr, indices, last_len, *shape, **self._plan_args())
+            self._decode.plan(indptr, indices, last_len, *self._shape, **self._plan_args())
         else:
             qo_indptr = torch.zeros(batch.num_seqs + 1, dtype=torch.int32)
             qo_indptr[1:] = torch.cumsum(torch.tensor(batch.extend_lens), 0)
             self._wrapper = self._prefill
             self._prefill.plan(
-                qo_indptr, indptr, indices, last_len, *shape, causal=True, **self._plan_args()
+                qo_indptr, indptr, indices, last_len, *self._shape, causal=True, **self._plan_args()
             )
 
     def prepare_decode_graphs(self, batch_sizes: tuple[int, ...], max_seq_len: int) -> None:
@@ -119,8 +120,7 @@ class FlashInferAttention(AttentionBackend):
     def plan_graph_decode(self, batch: ForwardBatch, out_slots: torch.Tensor) -> None:
         indptr, indices, last_len = page_table(batch.kv_slots, self.page_size)
         wrapper = self._graph_decodes[batch.num_seqs]
-        shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.page_size)
-        wrapper.plan(indptr, indices, last_len, *shape, **self._plan_args())
+        wrapper.plan(indptr, indices, last_len, *self._shape, **self._plan_args())
         self._wrapper = wrapper
         self._out_slots = out_slots
 
