@@ -84,6 +84,16 @@ class RequestGraph:
             lines.append(f"request {request.kind} {request.name} @ branch {request.branch}: {size}")
         return "\n".join(lines)
 
+    def to_svg(self) -> str:
+        """The graph as a picture (SVG): boxes for text, gen, select, fork and join, shared
+        prefixes tinted, prompt sizes in tokens."""
+        from flowlang.picture import graph_svg  # picture.py draws graphs: it imports this one
+
+        return graph_svg(self)
+
+    def _repr_svg_(self) -> str:  # Jupyter
+        return self.to_svg()
+
     def static_prompts(self) -> list[tuple[int, ...]]:
         """The prompt ids of every request whose prompt is known before running."""
         return [r.prompt_ids for r in self.requests if r.prompt_ids is not None]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from runtime.cache.events import KVEventPublisher, KVEventSubscription
-from runtime.cache.radix import RadixCache
+from runtime.cache.view import CacheView, build_cache_view
 from runtime.config import EngineConfig
 from runtime.errors import EngineClosedError, InvalidRequestError, error_for_kind
 from runtime.handles import PinHandle, RequestHandle
@@ -226,11 +226,15 @@ class Engine:
         self, max_depth: int = 3, max_children: int = 4, max_tokens: int = 12
     ) -> str:
         """The radix tree as text (first tokens of each edge decoded), cut to a summary."""
-        cache, tokenizer = self.scheduler.kv.cache, self.tokenizer
-        render = (lambda ids: tokenizer.decode(list(ids))) if tokenizer is not None else None
+        cache, render = self.scheduler.kv.cache, _decoder(self.tokenizer)
         return self._call_in_loop(
             lambda: cache.pretty_print(io.StringIO(), max_tokens, max_depth, max_children, render)
         )
+
+    def cache_view(self, max_nodes: int = 40) -> CacheView:
+        """The radix tree as a picture: Jupyter draws it; `.to_svg()`, `.to_dict()`."""
+        kv, pins, render = self.scheduler.kv, self.scheduler.pins, _decoder(self.tokenizer)
+        return self._call_in_loop(lambda: build_cache_view(kv.cache, pins, render, max_nodes))
 
     def cache_trace(self) -> list[tuple]:
         """The recorded access trace (EngineConfig.record_trace): ("access", namespace, ids,
@@ -246,10 +250,8 @@ class Engine:
             cache = self.scheduler.kv.cache
             if self._kv_events is None:
                 self._kv_events = KVEventPublisher()
-                if isinstance(cache, RadixCache):  # NullCache stores nothing: no events
-                    cache.event_sink = self._kv_events.emit
-            paths = cache.edge_paths() if isinstance(cache, RadixCache) else ()
-            return self._kv_events.subscribe(paths, max_pending_events)
+                cache.event_sink = self._kv_events.emit  # a NullCache never calls it
+            return self._kv_events.subscribe(cache.edge_paths(), max_pending_events)
 
         return self._call_in_loop(subscribe)
 
@@ -344,6 +346,10 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError("the engine is closed")
+
+
+def _decoder(tokenizer: Any) -> Callable[[tuple[int, ...]], str] | None:
+    return (lambda ids: tokenizer.decode(list(ids))) if tokenizer is not None else None
 
 
 def _maybe_tokenizer(path) -> Any:

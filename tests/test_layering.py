@@ -94,7 +94,7 @@ def test_runtime_lower_layers_never_load_upper_ones(module):
     assert not bad, f"importing {module} loads {bad}"
 
 
-TORCH_FREE_RUNTIME = {"runtime.protocol", "runtime.prefix", "runtime.errors"}
+TORCH_FREE_RUNTIME = {"runtime.protocol", "runtime.prefix", "runtime.errors", "runtime.svg"}
 
 
 def test_flowlang_imports_only_torch_free_runtime_modules_at_module_level():

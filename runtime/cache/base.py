@@ -72,6 +72,15 @@ class PrefixCache(Protocol):
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` unlocked slots if possible; return how many."""
 
+    def roots(self) -> dict[Namespace, TreeNode]:
+        """Each namespace's root node (pictures walk the tree from here)."""
+
+    def edge_paths(self):
+        """(namespace, path, start depth) per edge, parents first (a KV events snapshot)."""
+
+    def eviction_order(self, limit: int) -> list[TreeNode]:
+        """The first `limit` leaves eviction would take now, in order."""
+
     def check_integrity(self, num_caller_slots: int | None = None) -> None:
         """Assert invariants; with `num_caller_slots`, slot conservation too."""
 
@@ -96,6 +105,7 @@ class NullCache:
         self.page_size = allocator.page_size
         self.evictable_size = self.protected_size = self.num_nodes = 0
         self.num_evicted_tokens = 0
+        self.event_sink = None  # KV events: nothing is ever stored, so never called
         self._root = TreeNode((), _EMPTY, None, 0, 0)
         self._nowhere = TreePosition(self._root, 0)
 
@@ -134,6 +144,15 @@ class NullCache:
 
     def evict(self, num_tokens: int) -> int:
         return 0
+
+    def roots(self) -> dict[Namespace, TreeNode]:
+        return {}
+
+    def edge_paths(self):
+        return iter(())
+
+    def eviction_order(self, limit: int) -> list[TreeNode]:
+        return []
 
     def check_integrity(self, num_caller_slots: int | None = None) -> None:
         self.allocator.check_integrity()

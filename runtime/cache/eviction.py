@@ -193,6 +193,11 @@ class CandidateQueue:
                 return node
         return None
 
+    def first(self, limit: int) -> list[TreeNode]:
+        """The first `limit` live candidates in the order `pop` would return them."""
+        live = (entry for entry in self._heap if entry[2].candidate_seq == entry[1])
+        return [node for _, _, node in heapq.nsmallest(limit, live, key=lambda e: e[:2])]
+
     def nodes(self) -> list[TreeNode]:
         """The live candidates (any order)."""
         return [node for _, seq, node in self._heap if node.candidate_seq == seq]

@@ -336,6 +336,14 @@ class RadixCache:
         if self.event_sink is not None:
             self.event_sink("cleared", None, (), 0)
 
+    def roots(self) -> dict[Namespace, TreeNode]:
+        """Each namespace's root (it holds no tokens; its children are the first edges)."""
+        return dict(self._roots)
+
+    def eviction_order(self, limit: int) -> list[TreeNode]:
+        """The first `limit` leaves `evict` would take now, in order."""
+        return self._candidates.first(limit)
+
     def edge_paths(self):
         """(namespace, path from the root, depth where the edge starts) per edge, parents
         first: the tree as `stored` KV events (a subscriber's snapshot)."""

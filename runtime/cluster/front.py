@@ -95,6 +95,10 @@ class ClusterEngine:
         total["cache_hit_rate"] = cached / (cached + computed) if cached + computed else 0.0
         return total
 
+    def cache_view(self, max_nodes: int = 40) -> Any:
+        """Not at the front: each replica has its own radix tree."""
+        raise InvalidRequestError("the radix tree is per replica; the router front has none")
+
     def subscribe_kv_events(self, max_pending_events: int = 100_000) -> Any:
         """Not at the front: each replica has its own stream."""
         raise InvalidRequestError("KV events are per replica; the router front has none")

@@ -146,6 +146,7 @@ def _death(returncode: int) -> ProbeVerdict:
 
 def _serve(memory_limit_bytes: int) -> None:
     """The child: read the tokenizer info, cap the address space, then answer trials."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's; it closes stdin
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.deserialize_json(sys.stdin.readline())

@@ -7,6 +7,8 @@ generate with graph hints, score, pins with leases), over one Engine.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import os
 import sys
@@ -19,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.server import events_api, flowlang_api, openai_api, ops, sglang_api
+from runtime.server import dashboard, events_api, flowlang_api, openai_api, ops, sglang_api
 from runtime.server.errors import (
     AsciiJSONResponse,
     BodyReadTimeoutError,
@@ -47,7 +49,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     )
     app.add_middleware(Guard, server=server)
     install_error_handlers(app, server)
-    for api in (ops, sglang_api, openai_api, flowlang_api, events_api):
+    for api in (ops, sglang_api, openai_api, flowlang_api, events_api, dashboard):
         app.include_router(api.router)
     return app
 
@@ -104,19 +106,38 @@ class Guard:
                 413, f"request body of {length} bytes exceeds the limit of {limit}", server
             )
         request.state.tenant = "anonymous"
+        request.state.admin = False
         path = request.url.path
         if not server.keys or path == "/health":
             return None
-        header = request.headers.get("authorization", "")
-        key = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+        browser = path == "/dashboard" or path.startswith("/dashboard/")
+        key = _api_key(request.headers.get("authorization", ""), allow_basic=browser)
         if key not in server.keys:
-            return error_response(
+            refusal = error_response(
                 401, "missing or invalid API key (Authorization: Bearer ...)", server
             )
+            if browser:  # the browser asks for the key (as the password) and sends it on
+                refusal.headers["WWW-Authenticate"] = 'Basic realm="flowlang", charset="UTF-8"'
+            return refusal
         if path in ADMIN_PATHS and key not in server.admin_keys:
             return error_response(403, f"{path} needs an admin key", server)
         request.state.tenant = server.keys[key]
+        request.state.admin = key in server.admin_keys
         return None
+
+
+def _api_key(header: str, allow_basic: bool) -> str:
+    """The key in an Authorization header: a Bearer token, or (for the dashboard, which a
+    browser opens) the password of HTTP Basic auth; "" if there is none."""
+    scheme, _, value = header.partition(" ")
+    if scheme == "Bearer":
+        return value.strip()
+    if scheme == "Basic" and allow_basic:
+        try:
+            return base64.b64decode(value.strip(), validate=True).decode().partition(":")[2]
+        except (binascii.Error, UnicodeDecodeError):
+            return ""
+    return ""
 
 
 class BodyLimit:

@@ -61,6 +61,10 @@ class Server:
         """Who is calling: the API key's tag, or "anonymous" without keys."""
         return request.state.tenant
 
+    def is_admin(self, request: Request) -> bool:
+        """Whether the caller's API key is an admin key."""
+        return request.state.admin
+
     def namespace(self, request: Request, requested: str | None) -> str | None:
         """Cache salt: per API key, so tenants never share entries; plus the request's own."""
         tenant = self.tenant(request) if self.keys else None

@@ -1,0 +1,91 @@
+"""The live page: `GET /dashboard` (one static HTML file, no build step) polls
+`GET /dashboard/data` for the engine's numbers, the top of the radix tree (drawn here, as SVG)
+and the pins.
+
+Auth is the server's: every API key works, as a Bearer header or, so that a browser can log
+in, as the password of HTTP Basic auth (Guard in app.py). With API keys, a key that is not an
+admin key sees the text of its own cache namespace only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import time
+from dataclasses import asdict
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse
+
+from runtime.cache.view import CacheView
+from runtime.errors import InvalidRequestError
+from runtime.server.state import Server, ServerDep
+
+router = APIRouter()
+
+PAGE = pathlib.Path(__file__).with_name("dashboard.html")
+TREE_NODES = 30  # the tree panel's summary size
+SHOWN_STATS = (  # what the page shows (the same names as in /metrics, prefixed flowlang_)
+    "num_running",
+    "num_waiting",
+    "num_pins",
+    "requests_finished_total",
+    "prefill_tokens_total",
+    "cached_tokens_total",
+    "decode_tokens_total",
+    "cache_hit_rate",
+    "evicted_tokens_total",
+    "kv_slots_used",
+    "kv_slots_total",
+    "cache_tokens",
+    "forward_passes_total",
+)
+
+
+@router.get("/dashboard", response_class=HTMLResponse)
+async def dashboard_page() -> HTMLResponse:
+    """The page itself: HTML, CSS and a script, all in one file."""
+    return HTMLResponse(PAGE.read_text(encoding="utf-8"), headers={"Cache-Control": "no-store"})
+
+
+@router.get("/dashboard/data")
+async def dashboard_data(request: Request, server: ServerDep) -> dict:
+    """One sample: the engine's stats, the tree (SVG and totals) and the pins."""
+    stats = await asyncio.to_thread(server.engine.stats)
+    try:
+        view = await asyncio.to_thread(server.engine.cache_view, TREE_NODES)
+    except InvalidRequestError as err:  # a router front: the trees live in the replicas
+        tree: dict = {"error": str(err)}
+    else:
+        tree = _tree(_for_caller(view, request, server))
+    return {
+        "time_s": time.time(),
+        "uptime_s": time.time() - server.started,
+        "stats": {name: stats[name] for name in SHOWN_STATS if name in stats},
+        "http_pins": len(server.leases),
+        "tree": tree,
+    }
+
+
+def _for_caller(view: CacheView, request: Request, server: Server) -> CacheView:
+    """Without keys, or for an admin key, everything; else only the caller's namespaces' text."""
+    tenant = server.tenant(request)
+    if not server.keys or server.is_admin(request):
+        return view
+    mine = repr(tenant)[:-1]  # a namespace is the tenant's tag, or its tag + "/" + a salt
+    return view.redacted(
+        lambda namespace: namespace in (mine + "'",) or namespace.startswith(mine + "/")
+    )
+
+
+def _tree(view: CacheView) -> dict:
+    return {
+        "svg": view.to_svg(),
+        "total_tokens": view.total_tokens,
+        "evictable_tokens": view.evictable_tokens,
+        "protected_tokens": view.protected_tokens,
+        "num_nodes": view.num_nodes,
+        "capacity_tokens": view.capacity_tokens,
+        "policy": view.policy,
+        "pins": [asdict(pin) for pin in view.pins],
+    }
