@@ -176,3 +176,31 @@ def test_the_page_renders_in_chromium_and_shows_what_metrics_says(keyed, tmp_pat
     assert len(pin_rows) == 1 and pin.json()["pin_id"] in pin_rows[0]
     assert chart_lines == 2
     assert (tmp_path / "dashboard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_open_pages_share_one_tree_view_and_a_busy_engine_builds_it_once_a_second():
+    import asyncio
+
+    from runtime.server.dashboard import TreeViews
+
+    class Engine:
+        calls = 0
+
+        def cache_view(self, max_nodes):
+            Engine.calls += 1
+            return f"view {Engine.calls}"
+
+    async def main() -> list[str]:
+        views, engine = TreeViews(busy_interval_s=3600), Engine()
+        idle = {"steps_total": 1, "cache_tokens": 10, "num_running": 0}
+        busy = {"steps_total": 2, "cache_tokens": 12, "num_running": 1}
+        return [
+            await views.get(engine, idle),
+            await views.get(engine, idle),  # nothing changed: the same view
+            await views.get(engine, {**idle, "cache_tokens": 11}),  # idle and changed: rebuilt
+            await views.get(engine, busy),  # busy, rebuilt within the interval: kept
+            await views.get(engine, {**busy, "steps_total": 3}),
+        ]
+
+    assert asyncio.run(main()) == ["view 1", "view 1", "view 2", "view 2", "view 2"]
+    assert Engine.calls == 2

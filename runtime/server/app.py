@@ -41,6 +41,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     server = Server(engine, settings or ServerSettings())
     app = FastAPI(title="flowlang", lifespan=_lifespan, default_response_class=AsciiJSONResponse)
     app.state.server = server
+    app.state.tree_views = dashboard.TreeViews()
     # the last added runs first: the guard, then the body limit right around the routes
     app.add_middleware(
         BodyLimit,

@@ -10,9 +10,11 @@ admin key sees the text of its own cache namespace only.
 from __future__ import annotations
 
 import asyncio
+import math
 import pathlib
 import time
 from dataclasses import asdict
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
@@ -53,7 +55,7 @@ async def dashboard_data(request: Request, server: ServerDep) -> dict:
     """One sample: the engine's stats, the tree (SVG and totals) and the pins."""
     stats = await asyncio.to_thread(server.engine.stats)
     try:
-        view = await asyncio.to_thread(server.engine.cache_view, TREE_NODES)
+        view = await request.app.state.tree_views.get(server.engine, stats)
     except InvalidRequestError as err:  # a router front: the trees live in the replicas
         tree: dict = {"error": str(err)}
     else:
@@ -65,6 +67,33 @@ async def dashboard_data(request: Request, server: ServerDep) -> dict:
         "http_pins": len(server.leases),
         "tree": tree,
     }
+
+
+class TreeViews:
+    """The tree view the pages share. A view walks the whole tree on the engine's loop thread,
+    so while requests run it is rebuilt at most once per `busy_interval_s`, however many pages
+    are open; an idle engine's view is rebuilt whenever the tree may have changed."""
+
+    def __init__(self, busy_interval_s: float = 1.0) -> None:
+        self.busy_interval_s = busy_interval_s
+        self._lock = asyncio.Lock()
+        self._view: CacheView | None = None
+        self._key: tuple | None = None
+        self._built_at = -math.inf
+
+    async def get(self, engine: Any, stats: dict) -> CacheView:
+        key = tuple(stats.get(name) for name in _TREE_CHANGES)
+        busy = stats.get("num_running", 0) or stats.get("num_waiting", 0)
+        async with self._lock:
+            fresh = time.monotonic() - self._built_at < self.busy_interval_s
+            if self._view is None or (key != self._key and not (busy and fresh)):
+                self._view = await asyncio.to_thread(engine.cache_view, TREE_NODES)
+                self._key, self._built_at = key, time.monotonic()
+            return self._view
+
+
+# the tree changes only with these (a step, an eviction, a flush, a pin)
+_TREE_CHANGES = ("steps_total", "cache_tokens", "cache_nodes", "num_pins", "evicted_tokens_total")
 
 
 def _for_caller(view: CacheView, request: Request, server: Server) -> CacheView:
