@@ -188,7 +188,8 @@ def test_http_front_serves_the_same_api_and_refuses_bad_input(fresh, single):
 
     from runtime.cluster.front import ClusterEngine
 
-    thread = ServerThread(ClusterEngine(fresh, owns_cluster=False))
+    front = ClusterEngine(fresh, owns_cluster=False)
+    thread = ServerThread(front)
     try:
         with httpx.Client(base_url=thread.url, timeout=60) as client:
             ids = list(range(300, 360))
@@ -210,6 +211,17 @@ def test_http_front_serves_the_same_api_and_refuses_bad_input(fresh, single):
             bad = client.post("/generate", json={**body, "input_ids": [10**9]})
             assert bad.status_code == 400 and "token id" in bad.text
             assert client.get("/health").status_code == 200
+            # the dashboard shows every replica's tree, each namespace tagged with its replica
+            data = client.get("/dashboard/data")
+            assert data.status_code == 200, data.text
+            per_replica = fresh.stats()
+            assert data.json()["tree"]["total_tokens"] == sum(
+                s["cache_tokens"] for s in per_replica.values()
+            )
+            view = front.cache_view(max_nodes=12)
+            assert sorted({ns.replica for ns in view.namespaces}) == sorted(per_replica)
+            assert view.num_nodes == sum(s["cache_nodes"] for s in per_replica.values())
+            assert "<svg" in data.json()["tree"]["svg"]
     finally:
         thread.stop()
     assert fresh.router.replica_ids  # the front did not stop the cluster it does not own

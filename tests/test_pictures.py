@@ -236,3 +236,19 @@ def test_the_engine_draws_its_own_tree_with_pins_and_decoded_text(tiny_model_dir
     assert pinned[0].label.startswith("'Lighthouses")
     assert not after.pins and not [n for n in after.nodes() if n.state == "pinned"]
     assert "Lighthouses" in " ".join(texts(parse(view._repr_svg_()), "label"))
+
+
+def test_replicas_trees_merge_into_one_picture_each_namespace_tagged():
+    from runtime.cache.view import merge_views
+
+    views = {}
+    for replica, prompts in ((0, ([1, 2, 3], [1, 2, 4])), (3, ([7, 8],))):
+        cache = RadixCache(SlotAllocator(num_slots=64), 1, "lru")
+        for ids in prompts:
+            insert(cache, ids)
+        views[replica] = build_cache_view(cache, {})
+    merged = merge_views(views)
+    assert [ns.replica for ns in merged.namespaces] == [0, 3]
+    assert merged.total_tokens == 6 and merged.num_nodes == 4 and merged.capacity_tokens == 128
+    headings = texts(parse(merged.to_svg()), "namespace")
+    assert headings == ["replica 0 \u00b7 namespace None", "replica 3 \u00b7 namespace None"]

@@ -42,21 +42,25 @@ def cache_svg(view: CacheView, width_px: int = 960) -> str:
     """The view as an SVG document (a string)."""
     trees, y_px = [], float(TOP_PX)
     namespaces = [ns for ns in view.namespaces if ns.children or ns.hidden_nodes]
+    namespaces = namespaces or list(view.namespaces[:1])
     for namespace in namespaces:
         y_px += NAMESPACE_GAP_PX if len(namespaces) > 1 else 0
         rows = _Rows(y_px)
         placed = [rows.place(child, 0) for child in namespace.children]
         if namespace.hidden_nodes:
             placed.append(rows.summary(0, namespace.hidden_nodes, namespace.hidden_tokens))
-        trees.append((namespace.namespace, y_px, placed))
+        heading = f"namespace {namespace.namespace}"
+        if namespace.replica is not None:
+            heading = f"replica {namespace.replica} \u00b7 {heading}"
+        trees.append((heading, y_px, placed))
         y_px = rows.next_y_px + 8
     depth = max((p.level for _, _, tree in trees for p in _walk(tree)), default=0) + 1
     largest = max((n.num_tokens for n in view.nodes()), default=1)
     svg = Svg(max(width_px, 40 + depth * COLUMN_PX), max(y_px, TOP_PX + 40), "radix tree")
     _header(svg, view)
-    for namespace, top_px, placed in trees:
+    for heading, top_px, placed in trees:
         if len(namespaces) > 1:
-            svg.text(12, top_px - 8, f"namespace {namespace}", 12, font_weight="bold")
+            svg.text(12, top_px - 8, heading, 12, font_weight="bold", class_="namespace")
         for p in _walk(placed):
             _draw(svg, p, largest)
     if not view.num_shown:

@@ -47,6 +47,7 @@ class NamespaceView:
     children: tuple[NodeView, ...]  # the root's shown children
     hidden_nodes: int
     hidden_tokens: int
+    replica: int | None = None  # whose tree, behind a router front (merge_views)
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,23 @@ class _Snapshot:
             self.ranks.get(id(node)),
             *self.shown_below(node),
         )
+
+
+def merge_views(views: Mapping[int, CacheView]) -> CacheView:
+    """Several replicas' views as one: each namespace tagged with its replica, totals summed."""
+    parts = list(views.values())
+    return CacheView(
+        namespaces=tuple(
+            replace(ns, replica=replica) for replica, v in views.items() for ns in v.namespaces
+        ),
+        pins=tuple(pin for v in parts for pin in v.pins),
+        total_tokens=sum(v.total_tokens for v in parts),
+        evictable_tokens=sum(v.evictable_tokens for v in parts),
+        protected_tokens=sum(v.protected_tokens for v in parts),
+        num_nodes=sum(v.num_nodes for v in parts),
+        capacity_tokens=sum(v.capacity_tokens for v in parts),
+        policy=parts[0].policy if parts else "none",
+    )
 
 
 def _redact(nodes: tuple[NodeView, ...]) -> tuple[NodeView, ...]:

@@ -207,6 +207,12 @@ class Cluster:
             zip(ids, self._ray.get([self.actors[i].stats.remote() for i in ids]), strict=True)
         )
 
+    def cache_views(self, max_nodes: int) -> dict[int, Any]:
+        """Each live replica's radix tree, summarised to `max_nodes` nodes."""
+        ids = self.router.replica_ids
+        views = [self.actors[i].cache_view.remote(max_nodes) for i in ids]
+        return dict(zip(ids, self._ray.get(views), strict=True))
+
     def check_integrity(self) -> None:
         """Assert every live replica's engine invariants."""
         ids = self.router.replica_ids

@@ -12,6 +12,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from runtime.cache.view import CacheView, merge_views
 from runtime.cluster.cluster import Cluster
 from runtime.errors import EngineClosedError, InvalidRequestError
 from runtime.handles import RequestHandle
@@ -95,9 +96,11 @@ class ClusterEngine:
         total["cache_hit_rate"] = cached / (cached + computed) if cached + computed else 0.0
         return total
 
-    def cache_view(self, max_nodes: int = 40) -> Any:
-        """Not at the front: each replica has its own radix tree."""
-        raise InvalidRequestError("the radix tree is per replica; the router front has none")
+    def cache_view(self, max_nodes: int = 40) -> CacheView:
+        """Every live replica's radix tree in one view (`max_nodes` shared among them), each
+        namespace tagged with its replica."""
+        share = max(4, max_nodes // max(1, len(self.cluster.router.replica_ids)))
+        return merge_views(self.cluster.cache_views(share))
 
     def subscribe_kv_events(self, max_pending_events: int = 100_000) -> Any:
         """Not at the front: each replica has its own stream."""

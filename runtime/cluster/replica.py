@@ -94,6 +94,10 @@ class Replica:
         """The engine's counters."""
         return self.engine.stats()
 
+    def cache_view(self, max_nodes: int) -> Any:
+        """The engine's radix tree, summarised (runtime/cache/view.py)."""
+        return self.engine.cache_view(max_nodes)
+
     def check_integrity(self) -> None:
         """Assert the engine's invariants."""
         self.engine.check_integrity()
