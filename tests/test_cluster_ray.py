@@ -255,3 +255,28 @@ def test_http_front_streams_token_by_token(fresh, single):
         thread.stop()
     assert len(pieces) >= 2, pieces  # streamed, not delivered whole at the end
     assert "".join(pieces) == whole.json()["choices"][0]["text"]
+
+
+def test_a_replica_whose_engine_stops_is_restarted_and_its_requests_run_elsewhere(fresh, single):
+    """The health check: a replica whose engine stopped (its actor alive, so Ray would not
+    restart it by itself) is restarted; requests it refuses meanwhile run on the other one."""
+    fresh.set_router_config(RouterConfig(policy="round_robin"))
+    sampling = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    requests = [
+        GenerateRequest(input_ids=[9 + i] * 30 + list(range(200, 240)), sampling=sampling)
+        for i in range(8)
+    ]
+    expected = [r.output_ids for r in single.generate(requests)]
+    restarts_before = fresh.num_restarts
+    ray.get(fresh.actors[1].stop.remote(0.0))
+    results = [f.result(timeout=120) for f in [fresh.submit(r) for r in requests]]
+    assert [r.output_ids for r in results] == expected  # every request answered, once
+    assert all(r.finish_reason == "length" for r in results)
+    deadline = time.monotonic() + 90
+    while fresh.num_restarts == restarts_before or 1 not in fresh.router.replica_ids:
+        assert time.monotonic() < deadline, "the stopped replica was not restarted"
+        time.sleep(0.1)
+    assert fresh.num_restarts == restarts_before + 1
+    assert ray.get(fresh.actors[1].health.remote())
+    assert fresh.stats()[1]["requests_finished_total"] == 0  # a fresh engine
+    fresh.check_integrity()

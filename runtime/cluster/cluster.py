@@ -3,7 +3,9 @@
 Each request is routed, run on its replica's actor, and answered exactly once. If the replica
 dies under it (killed, node lost), the replica leaves the router (its tree and pins with it),
 and the request is routed again to a live one; when Ray has restarted the actor it rejoins,
-empty. An event pump thread follows every replica's KV events into the router's trees.
+empty. An event pump thread follows every replica's KV events into the router's trees; a
+health thread asks each replica every second whether its engine runs, and has Ray restart one
+whose engine stopped (or that stopped answering).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from runtime.cluster.ray_support import init_ray
 from runtime.cluster.replica import replica_actor_class
 from runtime.cluster.router import NoReplicaError, Router
 from runtime.config import EngineConfig
+from runtime.errors import EngineClosedError
 from runtime.protocol import (
     GenerateRequest,
     GenerateResult,
@@ -34,6 +37,8 @@ from runtime.results import error_result
 
 EVENT_POLL_S = 0.05  # how long one event poll waits on a quiet replica
 REJOIN_POLL_S = 0.5  # how often a dead replica is asked whether Ray restarted it
+HEALTH_INTERVAL_S = 1.0  # how often every live replica is asked whether its engine runs
+HEALTH_TIMEOUT_S = 30.0  # a replica that does not answer within this is restarted
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,8 @@ class Cluster:
         self._closed = threading.Event()
         self._pump = threading.Thread(target=self._pump_events, name="kv-events", daemon=True)
         self._pump.start()
+        self._health = threading.Thread(target=self._watch_health, name="health", daemon=True)
+        self._health.start()
 
     def _init_replicas(self) -> None:
         """Start (or join) Ray, start the actors, and route to each once it has started."""
@@ -101,6 +108,7 @@ class Cluster:
         for replica_id, snapshot in zip(self.actors, snapshots, strict=True):
             self.router.add_replica(replica_id, snapshot)
         self.num_reruns = 0  # requests re-run after their replica died
+        self.num_restarts = 0  # live actors restarted because their engine stopped
         self._rejoining: set[int] = set()
         self._lock = threading.Lock()
 
@@ -182,7 +190,14 @@ class Cluster:
                 continue
             except ray.exceptions.RayTaskError as err:  # the engine refused it: its own error
                 self.router.finish(rid)
-                raise err.as_instanceof_cause() from None
+                cause = err.as_instanceof_cause()
+                if not isinstance(cause, EngineClosedError):
+                    raise cause from None
+                self._restart(replica_id)  # its engine stopped: run the request elsewhere
+                prefer = None
+                with self._lock:
+                    self.num_reruns += 1
+                continue
             if method == "pin":
                 self.router.finish(rid)
                 return (answer, replica_id) if where else answer
@@ -257,12 +272,39 @@ class Cluster:
             self._rejoining.add(replica_id)
         threading.Thread(target=self._rejoin, args=(replica_id,), daemon=True).start()
 
+    def _restart(self, replica_id: int) -> None:
+        """A replica's engine stopped while its actor lives on: have Ray restart the actor
+        (killed with restarts allowed, it comes back with a fresh engine and rejoins)."""
+        with self._lock:
+            if replica_id not in self.router.replica_ids:
+                return  # already lost: its rejoin is being watched
+            self.num_restarts += 1
+            self._ray.kill(self.actors[replica_id], no_restart=False)
+        self._lost(replica_id)
+
+    def _watch_health(self) -> None:
+        """Ask every live replica whether its engine runs; restart one that says no or does
+        not answer in time (a dead actor is found by the calls and the event pump too)."""
+        ray = self._ray
+        while not self._closed.wait(HEALTH_INTERVAL_S):
+            ids = self.router.replica_ids
+            checks = [self.actors[i].health.remote() for i in ids]
+            for replica_id, check in zip(ids, checks, strict=True):
+                try:
+                    healthy = ray.get(check, timeout=HEALTH_TIMEOUT_S)
+                except ray.exceptions.GetTimeoutError:
+                    healthy = False
+                except ray.exceptions.RayActorError:
+                    healthy = True  # dead, not stopped: Ray restarts it; _lost follows it
+                if not healthy and not self._closed.is_set():
+                    self._restart(replica_id)
+
     def _rejoin(self, replica_id: int) -> None:
         ray = self._ray
         while not self._closed.is_set():
             try:
                 snapshot = ray.get(self.actors[replica_id].snapshot.remote())
-            except ray.exceptions.RayActorError:
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
                 time.sleep(REJOIN_POLL_S)  # not restarted yet (or for good: max_restarts)
                 continue
             with self._lock:
@@ -300,6 +342,7 @@ class Cluster:
             return
         self._closed.set()
         self._pump.join(timeout=5)
+        self._health.join(timeout=5)
         self._executor.shutdown(wait=True, cancel_futures=True)
         for actor in self.actors.values():
             self._ray.kill(actor, no_restart=True)

@@ -106,6 +106,12 @@ class Replica:
         """Whether the engine's loop runs."""
         return self.engine.is_alive
 
+    def stop(self, drain_timeout_s: float = 30.0) -> None:
+        """Stop the engine: new requests are refused (the cluster runs them elsewhere), those
+        in flight get up to `drain_timeout_s` to finish; then the cluster's health check has
+        Ray restart this actor with a fresh engine (recycling a replica)."""
+        self.engine.close(drain_timeout_s)
+
 
 def replica_actor_class(num_cpus: float, num_gpus: float, max_restarts: int):
     """`Replica` as a Ray actor class with these resources (Ray restarts a dead one)."""

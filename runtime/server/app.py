@@ -207,6 +207,8 @@ def run_app(engine: Engine, settings: ServerSettings) -> None:
         timeout_graceful_shutdown=int(settings.drain_timeout) + 5,
         timeout_keep_alive=5,
     )
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    print(f"[flowlang] live page: http://{host}:{settings.port}/dashboard", file=sys.stderr)
     uvicorn.Server(config).run()
 
 
