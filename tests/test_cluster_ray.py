@@ -150,14 +150,20 @@ def test_graph_aware_placement_computes_less_than_routing_request_by_request(fre
     assert placed_tokens <= union_prefix_tokens(prompts) + 8  # only "Group" twice
 
 
-def test_replica_killed_mid_run_loses_no_request_and_rejoins_empty(fresh, single):
-    fresh.set_router_config(RouterConfig(policy="round_robin"))
-    sampling = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
+def _round_robin_requests(cluster, single, num_requests: int, max_new_tokens: int):
+    """Distinct greedy requests of fixed length, and one engine's answers; the cluster is set
+    to round-robin so that every replica gets some."""
+    cluster.set_router_config(RouterConfig(policy="round_robin"))
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
     requests = [
         GenerateRequest(input_ids=[5 + i] * 40 + list(range(100, 160)), sampling=sampling)
-        for i in range(12)
+        for i in range(num_requests)
     ]
-    expected = [r.output_ids for r in single.generate(requests)]
+    return requests, [r.output_ids for r in single.generate(requests)]
+
+
+def test_replica_killed_mid_run_loses_no_request_and_rejoins_empty(fresh, single):
+    requests, expected = _round_robin_requests(fresh, single, 12, 48)
     reruns_before = fresh.num_reruns
     futures = [fresh.submit(r) for r in requests]
     deadline = time.monotonic() + 30
@@ -260,13 +266,7 @@ def test_http_front_streams_token_by_token(fresh, single):
 def test_a_replica_whose_engine_stops_is_restarted_and_its_requests_run_elsewhere(fresh, single):
     """The health check: a replica whose engine stopped (its actor alive, so Ray would not
     restart it by itself) is restarted; requests it refuses meanwhile run on the other one."""
-    fresh.set_router_config(RouterConfig(policy="round_robin"))
-    sampling = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-    requests = [
-        GenerateRequest(input_ids=[9 + i] * 30 + list(range(200, 240)), sampling=sampling)
-        for i in range(8)
-    ]
-    expected = [r.output_ids for r in single.generate(requests)]
+    requests, expected = _round_robin_requests(fresh, single, 8, 24)
     restarts_before = fresh.num_restarts
     ray.get(fresh.actors[1].stop.remote(0.0))
     results = [f.result(timeout=120) for f in [fresh.submit(r) for r in requests]]
@@ -280,3 +280,32 @@ def test_a_replica_whose_engine_stops_is_restarted_and_its_requests_run_elsewher
     assert ray.get(fresh.actors[1].health.remote())
     assert fresh.stats()[1]["requests_finished_total"] == 0  # a fresh engine
     fresh.check_integrity()
+
+
+@program
+def forked(s, prefix: str):
+    """One shared prefix, three branches extending it."""
+    s += prefix
+    branches = s.fork(3)
+    for i, branch in enumerate(branches):
+        branch += f" Option {i}:" + gen("option", max_new_tokens=8, temperature=0.0)
+    s.join(branches)
+
+
+def _finished(cluster: Cluster) -> dict[int, float]:
+    return {i: s["requests_finished_total"] for i, s in cluster.stats().items()}
+
+
+def test_fork_branches_run_where_the_fork_pinned_its_prefix(fresh, single):
+    """Round-robin would alternate the branches between the replicas; the fork's pin sends
+    them all to the replica holding the prefix, so the other one computes nothing."""
+    fresh.set_router_config(RouterConfig(policy="round_robin"))
+    prefix = "Lanterns along the harbor wall. " * 20
+    expected = forked.run(prefix, backend=LocalBackend(single))
+    finished, computed = _finished(fresh), _computed(fresh)
+    state = forked.run(prefix, backend=ClusterBackend(fresh, single.tokenizer))
+    assert state["option"] == expected["option"]
+    finished, computed = _delta(finished, _finished(fresh)), _delta(computed, _computed(fresh))
+    idle = min(finished, key=finished.get)
+    assert finished[idle] == 0 and computed[idle] == 0, (finished, computed)
+    assert max(finished.values()) >= 3
