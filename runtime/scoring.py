@@ -43,14 +43,28 @@ class Cancellation:
         self._cancelled = False
         self._inflight: list[str] = []
         self._abort: Callable[[str], None] | None = None
+        self._stops: list[Callable[[], None]] = []
 
     def cancel(self) -> None:
         """Cancel the score (from any thread)."""
         with self._lock:
+            if self._cancelled:
+                return
             self._cancelled = True
-            rids, abort = self._inflight, self._abort
+            rids, abort, stops = self._inflight, self._abort, self._stops
         for rid in rids:
             abort(rid)
+        for stop in stops:
+            stop()
+
+    def on_cancel(self, stop: Callable[[], None]) -> None:
+        """Also call `stop` when the score is cancelled (at once if it already is): for a
+        score that runs elsewhere, on a replica."""
+        with self._lock:
+            if not self._cancelled:
+                self._stops.append(stop)
+                return
+        stop()
 
     def check(self) -> None:
         """Raise ScoreCancelled if the score was cancelled."""

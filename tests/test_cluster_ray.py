@@ -309,3 +309,40 @@ def test_fork_branches_run_where_the_fork_pinned_its_prefix(fresh, single):
     idle = min(finished, key=finished.get)
     assert finished[idle] == 0 and computed[idle] == 0, (finished, computed)
     assert max(finished.values()) >= 3
+
+
+def test_a_cancelled_score_is_stopped_on_its_replica(fresh):
+    """The front's score forwards its cancellation (a client that went away): the replica
+    stops the score, releases its pin and keeps serving."""
+    import threading
+
+    from runtime.cluster.front import ClusterEngine
+    from runtime.protocol import ScoreRequest
+    from runtime.scoring import Cancellation, ScoreCancelled
+
+    front = ClusterEngine(fresh, owns_cluster=False)
+    continuations = [[10 + i] * 40 for i in range(200)]  # long enough to be caught running
+    request = ScoreRequest(prefix=list(range(300, 1300)), continuations=continuations)
+    cancel, outcome = Cancellation(), []
+
+    def run() -> None:
+        try:
+            outcome.append(front.scorer.score(request, cancel))
+        except ScoreCancelled as err:
+            outcome.append(err)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not any(s["num_running"] or s["num_pins"] for s in fresh.stats().values()):
+        assert time.monotonic() < deadline and not outcome, "the score never ran"
+        time.sleep(0.01)
+    cancel.cancel()
+    worker.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], ScoreCancelled), outcome
+    deadline = time.monotonic() + 30
+    while any(s["num_running"] or s["num_pins"] for s in fresh.stats().values()):
+        assert time.monotonic() < deadline, "the replica kept the score's work"
+        time.sleep(0.05)
+    small = ScoreRequest(prefix=list(range(300, 340)), continuations=[[5, 6]])
+    assert len(front.scorer.score(small).token_logprobs) == 1

@@ -287,3 +287,24 @@ def test_streaming_and_logprobs(tiny_model_dir):
     assert streamed == result.text and result.completion_tokens == 10
     assert [lp.token_id for lp in result.logprobs] == result.output_ids
     assert all(lp.top[0][1] >= lp.logprob - 1e-6 for lp in result.logprobs)
+
+
+def test_a_cancelled_score_stops_and_tells_whoever_runs_it_elsewhere(tiny_model_dir):
+    from runtime.scoring import Cancellation, ScoreCancelled
+
+    forwarded = []
+    cancel = Cancellation()
+    cancel.on_cancel(lambda: forwarded.append("replica"))
+    cancel.cancel()
+    cancel.cancel()  # twice: forwarded once
+    late = []
+    cancel.on_cancel(lambda: late.append("at once"))  # registered after: called at once
+    assert forwarded == ["replica"] and late == ["at once"]
+    request = ScoreRequest(prefix=list(range(300, 400)), continuations=[[5, 6], [7, 8]])
+    with engine(tiny_model_dir) as eng:
+        with pytest.raises(ScoreCancelled):
+            eng.scorer.score(request, cancel)
+        stats = eng.stats()
+        assert stats["num_pins"] == 0 and stats["num_running"] == 0
+        (scored,) = eng.score(request)  # the engine serves on
+        assert len(scored.token_logprobs) == 2

@@ -34,6 +34,7 @@ from runtime.protocol import (
     StreamChunk,
 )
 from runtime.results import error_result
+from runtime.scoring import Cancellation
 
 EVENT_POLL_S = 0.05  # how long one event poll waits on a quiet replica
 REJOIN_POLL_S = 0.5  # how often a dead replica is asked whether Ray restarted it
@@ -127,11 +128,22 @@ class Cluster:
         """Run requests concurrently; results in order."""
         return [f.result() for f in [self.submit(r) for r in requests]]
 
-    def score(self, request: ScoreRequest, prefer: int | None = None) -> Any:
-        """Score continuations on the replica that caches most of the prefix."""
+    def score(
+        self, request: ScoreRequest, prefer: int | None = None, cancel: Cancellation | None = None
+    ) -> Any:
+        """Score continuations on the replica that caches most of the prefix; `cancel` stops
+        it there too (ScoreCancelled)."""
         ids = request.prefix if isinstance(request.prefix, list) else []
         rid = f"score-{uuid.uuid4().hex[:12]}"
-        return self._call(rid, ids, request.namespace, prefer, "score", request)
+        if cancel is not None:
+            cancel.check()
+            cancel.on_cancel(lambda: self._cancel_score(rid))
+        return self._call(rid, ids, request.namespace, prefer, "score", request, rid)
+
+    def _cancel_score(self, rid: str) -> None:
+        """Tell every live replica (the one running it, or about to) to stop the score."""
+        for replica_id in self.router.replica_ids:
+            self.actors[replica_id].cancel_score.remote(rid)
 
     def pin(
         self,

@@ -20,6 +20,7 @@ from runtime.intake import RequestIntake
 from runtime.model.registry import resolve_model
 from runtime.protocol import GenerateRequest, GraphHints, ScoreRequest, StreamChunk
 from runtime.results import error_result
+from runtime.scoring import Cancellation
 
 
 class _Scorer:
@@ -28,12 +29,12 @@ class _Scorer:
     def __init__(self, front: ClusterEngine) -> None:
         self._front = front
 
-    def score(self, request: ScoreRequest, cancel: Any = None) -> Any:
-        """Score on the replica caching most of the prefix (`cancel` is not forwarded)."""
+    def score(self, request: ScoreRequest, cancel: Cancellation | None = None) -> Any:
+        """Score on the replica caching most of the prefix; `cancel` reaches it there."""
         front = self._front
         prefix_ids = front.intake.tokens(request.prefix, special=True)
         routed = request.model_copy(update={"prefix": prefix_ids})
-        return front.cluster.score(routed)
+        return front.cluster.score(routed, cancel=cancel)
 
 
 class ClusterEngine:

@@ -7,6 +7,7 @@ The class is plain Python (testable in-process); `replica_actor_class` wraps it 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +16,7 @@ from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.handles import PinHandle
 from runtime.protocol import GenerateRequest, GenerateResult, GraphHints, PinInfo, ScoreRequest
+from runtime.scoring import Cancellation
 
 ACTOR_MAX_CONCURRENCY = 64  # calls in flight per replica (requests, polls, health checks)
 
@@ -26,6 +28,8 @@ class Replica:
         self.engine = Engine(EngineConfig(**config))
         self._subscription = self.engine.subscribe_kv_events()
         self._pins: dict[str, PinHandle] = {}
+        self._scores: dict[str, Cancellation] = {}  # running scores, by the cluster's id
+        self._lock = threading.Lock()
 
     def snapshot(self) -> KVSnapshot:
         """A fresh subscription's snapshot (the router resyncs with it); older events end."""
@@ -63,10 +67,25 @@ class Replica:
             yield "chunk", chunk
         yield "result", (handle.result(), self._subscription.last_seq)
 
-    def score(self, request: ScoreRequest) -> tuple[Any, int]:
-        """Score continuations; also return the event seq after it."""
-        (result,) = self.engine.score(request)
+    def score(self, request: ScoreRequest, score_id: str) -> tuple[Any, int]:
+        """Score continuations (`cancel_score(score_id)` stops it); also return the event seq
+        after it."""
+        cancel = Cancellation()
+        with self._lock:
+            self._scores[score_id] = cancel
+        try:
+            result = self.engine.scorer.score(request, cancel)
+        finally:
+            with self._lock:
+                del self._scores[score_id]
         return result, self._subscription.last_seq
+
+    def cancel_score(self, score_id: str) -> None:
+        """Stop a score running here (its client went away); unknown ids are ignored."""
+        with self._lock:
+            cancel = self._scores.get(score_id)
+        if cancel is not None:
+            cancel.cancel()
 
     def pin(
         self, prefix_ids: list[int], namespace: str | None, hints: GraphHints | None
