@@ -148,8 +148,19 @@ class Program:
         prefixes of the whole batch are pinned (each prefilled once); a pin is released when
         the last instance that reads it finishes. A failing instance yields an InstanceError
         (with its traceback) in its place; the others run to completion. `sampling` is each
-        run's (see `run`)."""
+        run's (see `run`). A backend that places batches itself (ClusterBackend: instances
+        sharing the deepest prefixes on the same replica) runs it its way."""
         backend = backend or get_default_backend()
+        options = {
+            "max_workers": max_workers,
+            "progress": progress,
+            "namespace": namespace,
+            "min_shared_tokens": min_shared_tokens,
+            "sampling": sampling,
+        }
+        placed = backend.place_batch(self, batch, options)
+        if placed is not None:
+            return placed
         graphs = [self.compile(backend=backend, **dict(args)) for args in batch]
         pins = SharedPrefixPins(
             backend, [g.first_prompt() for g in graphs], namespace, min_shared_tokens

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 from flowlang.chat import ChatFormat
 from runtime.protocol import GenerateRequest, GenerateResult, GraphHints, ScoreRequest, ScoreResult
@@ -47,3 +47,10 @@ class Backend(ABC):
         self, prefix_ids: list[int], namespace: str | None = None, hints: GraphHints | None = None
     ) -> PinLease:
         """Prefill the prefix once and keep it cached until the lease is released."""
+
+    def place_batch(
+        self, program: Any, batch: Sequence[Mapping[str, Any]], options: Mapping[str, Any]
+    ) -> list | None:
+        """Run a whole `program.run_batch` itself (a cluster placing instances on its
+        replicas), results in batch order; None (the default): run it here."""
+        return None

@@ -1,7 +1,8 @@
 """ClusterBackend: programs on engine replicas behind a router (runtime.cluster, on Ray).
 
 Requests are routed one by one (the cluster's policy; a fork's branches follow its pin).
-`run_batch` places whole instances first: the batch's compiled prefixes are partitioned so that
+`program.run_batch(batch, backend=ClusterBackend(...))` places whole instances first (through
+`place_batch`): the batch's compiled prefixes are partitioned so that
 instances sharing the deepest prefixes run on one replica with token load balanced
 (runtime/cluster/placement.py); each replica's share then runs as an ordinary `run_batch`
 (its shared prefixes pinned there, each prefilled once).
@@ -75,7 +76,17 @@ class ClusterBackend(Backend):
         return ClusterBackend(self.cluster, self.tokenizer, replica)
 
     def run_batch(self, program: Any, batch: Sequence[Mapping[str, Any]], **options: Any) -> list:
-        """`program.run_batch(batch)` with graph-aware placement; results in batch order."""
+        """`program.run_batch(batch, backend=self, **options)`: placed graph-aware."""
+        return program.run_batch(batch, backend=self, **options)
+
+    def place_batch(
+        self, program: Any, batch: Sequence[Mapping[str, Any]], options: Mapping[str, Any]
+    ) -> list | None:
+        """Place the batch's instances on the replicas (those sharing the deepest prefixes
+        together, computed tokens balanced), then run each replica's part there as a batch of
+        its own (its shared prefixes pinned there). A view of one replica runs it in place."""
+        if self.replica is not None:
+            return None
         from runtime.cluster.placement import Instance, place_batch
 
         namespace = options.get("namespace")
@@ -92,7 +103,7 @@ class ClusterBackend(Backend):
         groups: dict[int, list[int]] = {}
         for index, slot in enumerate(placement):
             groups.setdefault(slot, []).append(index)
-        options = {"progress": False, **options}
+        options = {**options, "progress": False}
         with ThreadPoolExecutor(max_workers=len(groups) or 1) as pool:
             futures = {
                 slot: pool.submit(

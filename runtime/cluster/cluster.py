@@ -110,6 +110,7 @@ class Cluster:
             self.router.add_replica(replica_id, snapshot)
         self.num_reruns = 0  # requests re-run after their replica died
         self.num_restarts = 0  # live actors restarted because their engine stopped
+        self._incarnation = dict.fromkeys(self.actors, 0)  # bumped each time one is lost
         self._rejoining: set[int] = set()
         self._lock = threading.Lock()
 
@@ -184,6 +185,7 @@ class Cluster:
         ray = self._ray
         for _ in range(self.config.max_attempts):
             replica_id = self.router.route(rid, ids, namespace, prefer)
+            incarnation = self._incarnation[replica_id]
             streamed = [0]  # chunks passed on
             try:
                 call = getattr(self.actors[replica_id], method).remote(*args)
@@ -205,7 +207,7 @@ class Cluster:
                 cause = err.as_instanceof_cause()
                 if not isinstance(cause, EngineClosedError):
                     raise cause from None
-                self._restart(replica_id)  # its engine stopped: run the request elsewhere
+                self._restart(replica_id, incarnation)  # its engine stopped: run it elsewhere
                 prefer = None
                 with self._lock:
                     self.num_reruns += 1
@@ -282,14 +284,18 @@ class Cluster:
                 return
             self.router.remove_replica(replica_id)
             self._rejoining.add(replica_id)
+            self._incarnation[replica_id] += 1
         threading.Thread(target=self._rejoin, args=(replica_id,), daemon=True).start()
 
-    def _restart(self, replica_id: int) -> None:
+    def _restart(self, replica_id: int, incarnation: int) -> None:
         """A replica's engine stopped while its actor lives on: have Ray restart the actor
-        (killed with restarts allowed, it comes back with a fresh engine and rejoins)."""
+        (killed with restarts allowed, it comes back with a fresh engine and rejoins).
+        `incarnation` is the one that said so: a late answer never kills its successor."""
         with self._lock:
             if replica_id not in self.router.replica_ids:
                 return  # already lost: its rejoin is being watched
+            if self._incarnation[replica_id] != incarnation:
+                return
             self.num_restarts += 1
             self._ray.kill(self.actors[replica_id], no_restart=False)
         self._lost(replica_id)
@@ -300,8 +306,9 @@ class Cluster:
         ray = self._ray
         while not self._closed.wait(HEALTH_INTERVAL_S):
             ids = self.router.replica_ids
+            incarnations = [self._incarnation[i] for i in ids]
             checks = [self.actors[i].health.remote() for i in ids]
-            for replica_id, check in zip(ids, checks, strict=True):
+            for replica_id, incarnation, check in zip(ids, incarnations, checks, strict=True):
                 try:
                     healthy = ray.get(check, timeout=HEALTH_TIMEOUT_S)
                 except ray.exceptions.GetTimeoutError:
@@ -309,7 +316,7 @@ class Cluster:
                 except ray.exceptions.RayActorError:
                     healthy = True  # dead, not stopped: Ray restarts it; _lost follows it
                 if not healthy and not self._closed.is_set():
-                    self._restart(replica_id)
+                    self._restart(replica_id, incarnation)
 
     def _rejoin(self, replica_id: int) -> None:
         ray = self._ray

@@ -125,6 +125,12 @@ class Replica:
         """Whether the engine's loop runs."""
         return self.engine.is_alive
 
+    def node_id(self) -> str:
+        """The Ray node this replica runs on."""
+        from runtime.cluster.ray_support import require_ray
+
+        return require_ray().get_runtime_context().get_node_id()
+
     def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Stop the engine: new requests are refused (the cluster runs them elsewhere), those
         in flight get up to `drain_timeout_s` to finish; then the cluster's health check has
