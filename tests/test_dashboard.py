@@ -204,3 +204,11 @@ def test_open_pages_share_one_tree_view_and_a_busy_engine_builds_it_once_a_secon
 
     assert asyncio.run(main()) == ["view 1", "view 1", "view 2", "view 2", "view 2"]
     assert Engine.calls == 2
+
+
+def test_a_server_without_keys_serves_the_page_to_anyone(served):
+    page = httpx.get(f"{served.url}/dashboard")
+    assert page.status_code == 200 and "www-authenticate" not in page.headers
+    data = httpx.get(f"{served.url}/dashboard/data").json()
+    assert data["stats"]["kv_slots_total"] == 20_000
+    ET.fromstring(data["tree"]["svg"])  # well-formed
