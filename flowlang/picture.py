@@ -125,12 +125,14 @@ def _prompt_box(items: list, readers: int) -> _Box:
 def _request_box(item: Gen | Select, info: RequestInfo | None, readers: int) -> _Box:
     kind = "gen" if isinstance(item, Gen) else "select"
     name = item.name or "(unnamed)"
+    ids = None
     if info is None or info.kind != kind or info.name != item.name:
         prompt = "prompt unknown"
     elif info.prompt_ids is None:
         prompt = "prompt holds generated text"
     else:
-        prompt = f"prompt {len(info.prompt_ids):,} tok"
+        ids = info.prompt_ids
+        prompt = f"prompt {len(ids):,} tok"
     if isinstance(item, Gen):
         detail = f"max {item.params.max_new_tokens} new tok"
         if item.constraint is not None:
@@ -138,7 +140,6 @@ def _request_box(item: Gen | Select, info: RequestInfo | None, readers: int) -> 
     else:
         detail = f"{len(item.choices)} choices: " + " | ".join(c.strip() for c in item.choices)
     lines = [prompt, detail] + ([f"output read by {readers} requests"] if readers else [])
-    ids = info.prompt_ids if prompt.endswith(" tok") else None
     return _Box(kind, f"{kind} {name}", lines, ids)
 
 

@@ -1,4 +1,4 @@
-"""A small SVG writer for the pictures (the radix tree, request graphs, the dashboard's charts).
+"""A small SVG writer for the pictures (the radix tree, request graphs).
 
 Torch-free and dependency-free, so `flowlang` (torch-free) and the server's dashboard both draw
 with it. Text widths are estimated from character counts: labels are cut to fit boxes, so no

@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-# NextUse.kind values (graph_marks.py) as words; imported there, not here, to stay torch-free
-NEXT_USE_WORDS = {1: "continuation", 2: "queued read"}
+from runtime.cache.graph_marks import CONTINUATION, QUEUED_READ
+
+NEXT_USE_WORDS = {CONTINUATION: "continuation", QUEUED_READ: "queued read"}
 REDACTED = "(hidden)"
 
 

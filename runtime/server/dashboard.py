@@ -59,7 +59,6 @@ async def dashboard_data(request: Request, server: ServerDep) -> dict:
         "time_s": time.time(),
         "uptime_s": time.time() - server.started,
         "stats": {name: stats[name] for name in SHOWN_STATS if name in stats},
-        "http_pins": len(server.leases),
         "tree": tree,
     }
 
@@ -96,10 +95,8 @@ def _for_caller(view: CacheView, request: Request, server: Server) -> CacheView:
     tenant = server.tenant(request)
     if not server.keys or server.is_admin(request):
         return view
-    mine = repr(tenant)[:-1]  # a namespace is the tenant's tag, or its tag + "/" + a salt
-    return view.redacted(
-        lambda namespace: namespace in (mine + "'",) or namespace.startswith(mine + "/")
-    )
+    own, salted = repr(tenant), repr(tenant)[:-1] + "/"  # the tag, or the tag + "/" + a salt
+    return view.redacted(lambda namespace: namespace == own or namespace.startswith(salted))
 
 
 def _tree(view: CacheView) -> dict:
