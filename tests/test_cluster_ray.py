@@ -17,8 +17,10 @@ from programs import support_agent, tree_of_thought
 from runtime.cluster.cluster import Cluster, ClusterConfig
 from runtime.cluster.policy import RouterConfig
 from runtime.cluster.ray_support import init_ray
+from runtime.cluster.replica import Replica
 from runtime.config import EngineConfig
 from runtime.engine import Engine
+from runtime.errors import EngineClosedError
 from runtime.prefix import common_prefix_len, union_prefix_tokens
 from runtime.protocol import GenerateRequest, SamplingParams
 
@@ -280,6 +282,19 @@ def test_a_replica_whose_engine_stops_is_restarted_and_its_requests_run_elsewher
     assert ray.get(fresh.actors[1].health.remote())
     assert fresh.stats()[1]["requests_finished_total"] == 0  # a fresh engine
     fresh.check_integrity()
+
+
+def test_a_stopped_replica_gives_no_snapshot_so_it_cannot_rejoin_before_its_restart(
+    engine_config,
+):
+    """The kill that restarts a stopped replica lands a moment later; until then the old
+    actor still answers, and a snapshot from it would let the router take back a dead engine."""
+    replica = Replica(engine_config.model_dump())
+    assert replica.snapshot().seq >= 0  # a running engine resyncs the router
+    replica.stop(0.0)
+    assert not replica.health()
+    with pytest.raises(EngineClosedError, match="awaits its restart"):
+        replica.snapshot()
 
 
 @program

@@ -14,6 +14,7 @@ from typing import Any
 from runtime.cache.events import KVEvent, KVEventsLostError, KVSnapshot
 from runtime.config import EngineConfig
 from runtime.engine import Engine
+from runtime.errors import EngineClosedError
 from runtime.handles import PinHandle
 from runtime.protocol import GenerateRequest, GenerateResult, GraphHints, PinInfo, ScoreRequest
 from runtime.scoring import Cancellation
@@ -32,7 +33,11 @@ class Replica:
         self._lock = threading.Lock()
 
     def snapshot(self) -> KVSnapshot:
-        """A fresh subscription's snapshot (the router resyncs with it); older events end."""
+        """A fresh subscription's snapshot (the router resyncs with it); older events end.
+        A stopped engine has none to give: the router must not take it back before Ray has
+        restarted the actor (the restart lands a moment after the kill)."""
+        if not self.engine.is_alive:
+            raise EngineClosedError("this replica's engine stopped; it awaits its restart")
         self._subscription.close()
         self._subscription = self.engine.subscribe_kv_events()
         return self._subscription.snapshot
