@@ -235,6 +235,44 @@ def test_http_front_serves_the_same_api_and_refuses_bad_input(fresh, single):
     assert fresh.router.replica_ids  # the front did not stop the cluster it does not own
 
 
+def test_http_front_streams_each_replicas_kv_events(fresh):
+    """GET /v1/flowlang/kv_events?replica=N at the front: that replica's snapshot, then its
+    events as it serves, read through Ray; the tree they rebuild is the replica's own.
+    Without ?replica, the 400 names the live replicas."""
+    import json
+
+    import httpx
+    from conftest import ServerThread
+
+    from runtime.cache.events import KVEvent, KVSnapshot
+    from runtime.cluster.front import ClusterEngine
+    from runtime.cluster.mirror import MirrorTree
+
+    thread = ServerThread(ClusterEngine(fresh, owns_cluster=False))
+    route = "/v1/flowlang/kv_events"
+    try:
+        with httpx.Client(base_url=thread.url, timeout=60) as client:
+            missing = client.get(route)
+            assert missing.status_code == 400 and "[0, 1]" in missing.text
+            assert client.get(route, params={"replica": 7}).status_code == 400
+            with client.stream("GET", route, params={"replica": 1}) as stream:
+                lines = stream.iter_lines()
+                first = json.loads(next(lines))
+                stored = tuple(KVEvent.from_dict(e) for e in first["stored"])
+                mirror = MirrorTree()
+                mirror.load(KVSnapshot(first["snapshot"], stored))
+                sampling = SamplingParams(max_new_tokens=4, temperature=0.0)
+                request = GenerateRequest(input_ids=list(range(400, 470)), sampling=sampling)
+                assert fresh.submit(request, prefer=1).result(timeout=60).finish_reason
+                truth = ray.get(fresh.actors[1].peek_snapshot.remote())
+                while mirror.last_seq < truth.seq:
+                    mirror.apply(KVEvent.from_dict(json.loads(next(lines))))
+        assert mirror.leaf_paths() == _leaf_paths(truth)
+        assert any(path[:70] == tuple(range(400, 470)) for path in mirror.leaf_paths()[None])
+    finally:
+        thread.stop()
+
+
 def test_http_front_streams_token_by_token(fresh, single):
     """A streaming client of the front gets the replica's chunks as they come (several, not
     one at the end), and together they are the answer a non-streaming request gets."""

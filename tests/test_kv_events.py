@@ -225,3 +225,32 @@ def test_http_stream_sends_snapshot_then_events():
         assert event.token_ids[:39] == tuple(range(1, 40))
     finally:
         thread.stop()
+
+
+def test_http_stream_names_its_replica_and_needs_an_admin_key():
+    """One engine is replica 0 (?replica=1 is a 400 naming it); with API keys, the stream
+    (every tenant's token paths) needs an admin key: a plain key is a 403."""
+    import json
+
+    import httpx
+    from conftest import ServerThread
+
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+
+    engine = Engine(EngineConfig(model="random:tiny", max_kv_tokens=512))
+    thread = ServerThread(engine, api_keys=("user",), admin_keys=("boss",))
+    try:
+        with httpx.Client(base_url=thread.url, timeout=60) as client:
+            route = "/v1/flowlang/kv_events"
+            user = {"Authorization": "Bearer user"}
+            admin = {"Authorization": "Bearer boss"}
+            refused = client.get(route, headers=user)
+            assert refused.status_code == 403 and "admin key" in refused.text
+            assert client.get(route).status_code == 401
+            wrong = client.get(route, params={"replica": 1}, headers=admin)
+            assert wrong.status_code == 400 and "replica 0" in wrong.text
+            with client.stream("GET", route, params={"replica": 0}, headers=admin) as stream:
+                assert json.loads(next(stream.iter_lines()))["snapshot"] == 0
+    finally:
+        thread.stop()

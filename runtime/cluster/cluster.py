@@ -3,9 +3,10 @@
 Each request is routed, run on its replica's actor, and answered exactly once. If the replica
 dies under it (killed, node lost), the replica leaves the router (its tree and pins with it),
 and the request is routed again to a live one; when Ray has restarted the actor it rejoins,
-empty. An event pump thread follows every replica's KV events into the router's trees; a
-health thread asks each replica every second whether its engine runs, and has Ray restart one
-whose engine stopped (or that stopped answering).
+empty. A follower thread per replica applies its KV events to the router's tree as they come
+(a long poll over Ray that returns at the first event: no polling cadence); a health thread
+asks each replica every second whether its engine runs, and has Ray restart one whose engine
+stopped (or that stopped answering).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.cluster.event_reader import RemoteKVSubscription
 from runtime.cluster.mirror import MirrorDesyncError
 from runtime.cluster.policy import RouterConfig
 from runtime.cluster.ray_support import init_ray
@@ -36,7 +38,7 @@ from runtime.protocol import (
 from runtime.results import error_result
 from runtime.scoring import Cancellation
 
-EVENT_POLL_S = 0.05  # how long one event poll waits on a quiet replica
+EVENT_WAIT_S = 1.0  # a follower's long poll returns at the first event, else after this
 REJOIN_POLL_S = 0.5  # how often a dead replica is asked whether Ray restarted it
 HEALTH_INTERVAL_S = 1.0  # how often every live replica is asked whether its engine runs
 HEALTH_TIMEOUT_S = 30.0  # a replica that does not answer within this is restarted
@@ -89,8 +91,9 @@ class Cluster:
         self._init_replicas()
         self._executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="cluster")
         self._closed = threading.Event()
-        self._pump = threading.Thread(target=self._pump_events, name="kv-events", daemon=True)
-        self._pump.start()
+        self._followers: list[threading.Thread] = []
+        for replica_id in self.actors:
+            self._start_follower(replica_id)
         self._health = threading.Thread(target=self._watch_health, name="health", daemon=True)
         self._health.start()
 
@@ -242,6 +245,15 @@ class Cluster:
         views = [self.actors[i].cache_view.remote(max_nodes) for i in ids]
         return dict(zip(ids, self._ray.get(views), strict=True))
 
+    def open_event_reader(self, replica_id: int, max_pending_events: int) -> Any:
+        """A RemoteKVSubscription to one live replica's KV events (a snapshot, then every
+        event in order), apart from the router's own."""
+        if replica_id not in self.router.replica_ids:
+            raise NoReplicaError(f"replica {replica_id} is not live")
+        actor = self.actors[replica_id]
+        reader_id, snapshot = self._ray.get(actor.open_reader.remote(max_pending_events))
+        return RemoteKVSubscription(self._ray, actor, reader_id, snapshot)
+
     def check_integrity(self) -> None:
         """Assert every live replica's engine invariants."""
         ids = self.router.replica_ids
@@ -280,25 +292,34 @@ class Cluster:
     def _lost(self, replica_id: int) -> None:
         """A replica died: stop routing to it; watch for Ray's restart to let it rejoin."""
         with self._lock:
-            if replica_id not in self.router.replica_ids:
-                return
-            self.router.remove_replica(replica_id)
-            self._rejoining.add(replica_id)
-            self._incarnation[replica_id] += 1
-        threading.Thread(target=self._rejoin, args=(replica_id,), daemon=True).start()
+            dropped = self._drop(replica_id)
+        if dropped:
+            threading.Thread(target=self._rejoin, args=(replica_id,), daemon=True).start()
 
     def _restart(self, replica_id: int, incarnation: int) -> None:
         """A replica's engine stopped while its actor lives on: have Ray restart the actor
         (killed with restarts allowed, it comes back with a fresh engine and rejoins).
-        `incarnation` is the one that said so: a late answer never kills its successor."""
+        `incarnation` is the one that said so: a late answer never kills its successor, and
+        two that say so at once (the health check, a refused request) restart it once."""
         with self._lock:
-            if replica_id not in self.router.replica_ids:
-                return  # already lost: its rejoin is being watched
             if self._incarnation[replica_id] != incarnation:
                 return
+            if replica_id not in self.router.replica_ids:
+                return  # already lost: its rejoin is being watched
             self.num_restarts += 1
             self._ray.kill(self.actors[replica_id], no_restart=False)
-        self._lost(replica_id)
+            self._drop(replica_id)  # under the same lock: the next caller sees it gone
+        threading.Thread(target=self._rejoin, args=(replica_id,), daemon=True).start()
+
+    def _drop(self, replica_id: int) -> bool:
+        """Stop routing to a replica and bump its incarnation (the caller holds the lock);
+        False if it was not routed to."""
+        if replica_id not in self.router.replica_ids:
+            return False
+        self.router.remove_replica(replica_id)
+        self._rejoining.add(replica_id)
+        self._incarnation[replica_id] += 1
+        return True
 
     def _watch_health(self) -> None:
         """Ask every live replica whether its engine runs; restart one that says no or does
@@ -329,26 +350,40 @@ class Cluster:
             with self._lock:
                 self.router.add_replica(replica_id, snapshot)
                 self._rejoining.discard(replica_id)
+            self._start_follower(replica_id)
             return
 
-    def _pump_events(self) -> None:
-        """Follow every live replica's KV events into the router until closed."""
+    def _start_follower(self, replica_id: int) -> None:
+        incarnation = self._incarnation[replica_id]
+        follower = threading.Thread(
+            target=self._follow, args=(replica_id, incarnation), name=f"kv-events-{replica_id}"
+        )
+        follower.daemon = True
+        self._followers.append(follower)
+        follower.start()
+
+    def _follow(self, replica_id: int, incarnation: int) -> None:
+        """Apply one replica's KV events to its router tree as they come, until the cluster
+        closes or this incarnation of the replica is lost (its successor gets a new one)."""
         ray = self._ray
-        while not self._closed.is_set():
-            ids = self.router.replica_ids
-            refs = [self.actors[i].poll_events.remote(EVENT_POLL_S) for i in ids]
-            for replica_id, ref in zip(ids, refs, strict=True):
-                try:
-                    events = ray.get(ref)
-                    if events is None:
-                        raise MirrorDesyncError("the replica dropped events for this reader")
+        while not self._closed.is_set() and self._incarnation[replica_id] == incarnation:
+            try:
+                events = ray.get(self.actors[replica_id].poll_events.remote(EVENT_WAIT_S))
+                if events is not None:
                     self.router.apply_events(replica_id, events)
-                except MirrorDesyncError:
-                    self._resync(replica_id)
-                except ray.exceptions.RayActorError:
-                    self._lost(replica_id)
-            if not ids:
-                time.sleep(EVENT_POLL_S)
+                    continue
+            except MirrorDesyncError:
+                pass  # a gap: resync below
+            except ray.exceptions.RayTaskError:  # its engine stopped: the health check acts
+                self._closed.wait(REJOIN_POLL_S)
+                continue
+            except ray.exceptions.RayActorError:
+                self._lost(replica_id)
+                return
+            try:
+                self._resync(replica_id)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                self._closed.wait(REJOIN_POLL_S)
 
     def _resync(self, replica_id: int) -> None:
         snapshot = self._ray.get(self.actors[replica_id].snapshot.remote())
@@ -360,7 +395,8 @@ class Cluster:
         if self._closed.is_set():
             return
         self._closed.set()
-        self._pump.join(timeout=5)
+        for follower in self._followers:
+            follower.join(timeout=EVENT_WAIT_S + 5)
         self._health.join(timeout=5)
         self._executor.shutdown(wait=True, cancel_futures=True)
         for actor in self.actors.values():

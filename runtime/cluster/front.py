@@ -103,9 +103,23 @@ class ClusterEngine:
         share = max(4, max_nodes // max(1, len(self.cluster.router.replica_ids)))
         return merge_views(self.cluster.cache_views(share))
 
-    def subscribe_kv_events(self, max_pending_events: int = 100_000) -> Any:
-        """Not at the front: each replica has its own stream."""
-        raise InvalidRequestError("KV events are per replica; the router front has none")
+    def subscribe_kv_events(
+        self, max_pending_events: int = 100_000, replica: int | None = None
+    ) -> Any:
+        """One replica's KV event stream, read through Ray (each replica numbers its own
+        events, so there is no merged stream: a follower subscribes to each replica)."""
+        live = self.cluster.router.replica_ids
+        if replica is None or replica not in live:
+            raise InvalidRequestError(
+                f"KV events are per replica: name one of the live replicas {live} "
+                f"(?replica=N){'' if replica is None else f'; {replica} is not live'}"
+            )
+        return self.cluster.open_event_reader(replica, max_pending_events)
+
+    @property
+    def replica_ids(self) -> list[int]:
+        """The live replicas."""
+        return self.cluster.router.replica_ids
 
     @property
     def is_alive(self) -> bool:

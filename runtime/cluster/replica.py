@@ -8,10 +8,11 @@ The class is plain Python (testable in-process); `replica_actor_class` wraps it 
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from runtime.cache.events import KVEvent, KVEventsLostError, KVSnapshot
+from runtime.cache.events import KVEvent, KVEventsLostError, KVEventSubscription, KVSnapshot
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.errors import EngineClosedError
@@ -30,6 +31,7 @@ class Replica:
         self._subscription = self.engine.subscribe_kv_events()
         self._pins: dict[str, PinHandle] = {}
         self._scores: dict[str, Cancellation] = {}  # running scores, by the cluster's id
+        self._readers: dict[str, KVEventSubscription] = {}  # the front's event streams
         self._lock = threading.Lock()
 
     def snapshot(self) -> KVSnapshot:
@@ -53,11 +55,43 @@ class Replica:
         return self.engine.flush_cache()
 
     def poll_events(self, timeout_s: float) -> list[KVEvent] | None:
-        """Pending KV events; None if the router fell behind and must call `snapshot`."""
+        """Pending KV events, returned at the first one (or after `timeout_s` with none);
+        None if the router fell behind and must call `snapshot`. A stopped engine raises
+        (its closed subscription would answer at once, and the router would spin)."""
+        if not self.engine.is_alive:
+            raise EngineClosedError("this replica's engine stopped; it awaits its restart")
         try:
             return self._subscription.poll(timeout_s)
         except KVEventsLostError:
             return None
+
+    def open_reader(self, max_pending_events: int) -> tuple[str, KVSnapshot]:
+        """Another subscription to this replica's events (a client of the front's
+        /v1/flowlang/kv_events), apart from the router's: its id and snapshot."""
+        subscription = self.engine.subscribe_kv_events(max_pending_events)
+        reader_id = uuid.uuid4().hex
+        with self._lock:
+            self._readers[reader_id] = subscription
+        return reader_id, subscription.snapshot
+
+    def poll_reader(self, reader_id: str, timeout_s: float) -> list[KVEvent] | None:
+        """A reader's pending events (as `poll_events`); None once it fell behind or was
+        closed (the engine stopped): the reader subscribes again."""
+        with self._lock:
+            subscription = self._readers.get(reader_id)
+        if subscription is None or subscription.closed:
+            return None
+        try:
+            return subscription.poll(timeout_s)
+        except KVEventsLostError:
+            return None
+
+    def close_reader(self, reader_id: str) -> None:
+        """End a reader's subscription (unknown ids are ignored)."""
+        with self._lock:
+            subscription = self._readers.pop(reader_id, None)
+        if subscription is not None:
+            subscription.close()
 
     def generate(self, request: GenerateRequest) -> tuple[GenerateResult, int]:
         """Run one request; also return the event seq that covers its insert into the tree."""

@@ -33,7 +33,9 @@ from runtime.server.state import Server, ServerSettings
 
 __all__ = ["ServerSettings", "create_app", "serve"]
 
-ADMIN_PATHS = frozenset({"/flush_cache", "/start_profile", "/stop_profile"})
+ADMIN_PATHS = frozenset(
+    {"/flush_cache", "/start_profile", "/stop_profile", "/v1/flowlang/kv_events"}
+)
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
