@@ -150,6 +150,9 @@ def test_graph_aware_placement_computes_less_than_routing_request_by_request(fre
     assert [state["answer"] for state in placed] == [r.text for r in routed]
     assert placed_tokens < routed_tokens
     assert placed_tokens <= union_prefix_tokens(prompts) + 8  # only "Group" twice
+    unplaced = ClusterBackend(fresh, single.tokenizer, place=False)
+    assert unplaced.place_batch(grouped, batch, {}) is None  # left to the router
+    assert unplaced.on_replica(1).place is False
 
 
 def _round_robin_requests(cluster, single, num_requests: int, max_new_tokens: int):

@@ -34,13 +34,42 @@ def test_imbalance_needs_both_thresholds():
 
 
 def test_cache_aware_prefers_match_then_load_then_guard():
-    config = RouterConfig(balance_abs_threshold=4, min_match_tokens=32)
-    assert choose_cache_aware([0, 40], [3, 0], config) == 1
-    assert choose_cache_aware([40, 40], [3, 1], config) == 1  # tie: less loaded
-    assert choose_cache_aware([0, 0], [3, 1], config) == 1  # no match: least loaded
-    assert choose_cache_aware([90, 0], [9, 0], config) == 1  # imbalanced: guard wins
-    assert choose_cache_aware([40, 0], [2, 0], config) == 0  # 40 tokens saved: the match
-    assert choose_cache_aware([20, 0], [2, 0], config) == 1  # a stray 20: load decides
+    config = RouterConfig(balance_abs_threshold=4, min_match_tokens=32, guard_slack=1)
+    none = [0, 0]
+
+    def choose(matches, loads, evictions=none, prompt_len=100):
+        return choose_cache_aware(matches, loads, evictions, prompt_len, config)
+
+    assert choose([0, 40], [3, 0]) == 1
+    assert choose([40, 40], [3, 1]) == 1  # tie: less loaded
+    assert choose([0, 0], [3, 1]) == 1  # no match: least loaded
+    assert choose([40, 0], [2, 0]) == 0  # 40 tokens saved: the match
+    assert choose([20, 0], [2, 0]) == 1  # a stray 20: load decides
+    # imbalanced (9 vs 0): the overloaded replica is not priced, whatever it caches
+    assert choose([90, 0], [9, 0]) == 1
+    # ... but a lightly loaded one (within guard_slack of the min) still is: its match wins
+    assert choose_cache_aware([90, 80, 0], [9, 1, 0], [0, 0, 0], 100, config) == 1
+    assert choose_cache_aware([90, 80, 0], [9, 2, 0], [0, 0, 0], 100, config) == 2
+
+
+def test_cache_aware_prices_what_admission_would_evict():
+    """A 40-token match that makes its replica evict 50 cached tokens costs more than
+    computing the whole prompt on a replica with room; evicting 30 is worth the 40."""
+    config = RouterConfig(min_match_tokens=32)
+    assert choose_cache_aware([40, 0], [1, 1], [50, 0], 100, config) == 1
+    assert choose_cache_aware([40, 0], [1, 1], [30, 0], 100, config) == 0
+    # the router's side: cached + being computed + the new tokens against the pool
+    router = Router(RouterConfig(min_match_tokens=8))
+    router.add_replica(0, capacity_tokens=100)
+    router.add_replica(1, capacity_tokens=100)
+    shared = tuple(range(1, 41))
+    assert router.route("a", shared + (50,) * 50) == 0  # 90 tokens being computed on 0
+    # on 0: 60 new + 50 evicted = 110; on 1: 100 new, nothing evicted
+    assert router.route("b", shared + (60,) * 60) == 1
+    # on 0: 1 new, room for it; on 1: 1 new + 1 evicted
+    assert router.route("c", shared + (70,)) == 0
+    router.finish("a")
+    assert router.route("d", shared + (80,) * 60) == 0  # 0 has room again
 
 
 def test_unknown_policy_is_refused():

@@ -59,9 +59,9 @@ def part1(model: str, max_kv_tokens: int) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for num_replicas, modes in ((1, ("cache_aware",)), (2, (*POLICIES, "placement"))):
         with Cluster(config, ClusterConfig(num_replicas=num_replicas)) as cluster:
-            backend = ClusterBackend(cluster, tokenizer)
             for name, (prog, batch) in workloads.items():
                 for mode in modes:
+                    backend = ClusterBackend(cluster, tokenizer, place=mode == "placement")
                     row = _run_mode(cluster, backend, prog, batch, mode)
                     print(f"| {name} | {num_replicas} | {mode} | {row} |")
 
@@ -72,10 +72,7 @@ def _run_mode(cluster, backend, prog, batch, mode: str) -> str:
     cluster.wait_for_events()
     before = cluster.stats()
     start = time.perf_counter()
-    if mode == "placement":
-        backend.run_batch(prog, batch)
-    else:
-        prog.run_batch(batch, backend=backend, progress=False)
+    prog.run_batch(batch, backend=backend, progress=False)  # placed only in "placement"
     wall_s = time.perf_counter() - start
     after = cluster.stats()
 

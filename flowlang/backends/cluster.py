@@ -37,18 +37,22 @@ class ClusterHandle:
 
 class ClusterBackend(Backend):
     """Runs programs on a `runtime.cluster.cluster.Cluster`; `replica` fixes every request of
-    this backend to one replica (placement's per-replica views).
+    this backend to one replica (placement's per-replica views); `place=False` leaves a batch
+    to the router, request by request (to compare routing policies with placement).
 
     >>> from runtime.cluster.cluster import Cluster  # doctest: +SKIP
     >>> backend = ClusterBackend(Cluster(EngineConfig(model=path)), tokenizer)  # doctest: +SKIP
     """
 
-    def __init__(self, cluster: Any, tokenizer: Any, replica: int | None = None) -> None:
+    def __init__(
+        self, cluster: Any, tokenizer: Any, replica: int | None = None, place: bool = True
+    ) -> None:
         if tokenizer is None:
             raise ValueError("ClusterBackend needs the model's tokenizer")
         self.cluster = cluster
         self.tokenizer = tokenizer
         self.replica = replica
+        self.place = place
         self.chat_format = ChatFormat(
             tokenizer.chat_template or CHATML, tokenizer.bos_token or "", tokenizer.eos_token or ""
         )
@@ -73,7 +77,7 @@ class ClusterBackend(Backend):
 
     def on_replica(self, replica: int) -> ClusterBackend:
         """A view whose requests all go to `replica`."""
-        return ClusterBackend(self.cluster, self.tokenizer, replica)
+        return ClusterBackend(self.cluster, self.tokenizer, replica, self.place)
 
     def run_batch(self, program: Any, batch: Sequence[Mapping[str, Any]], **options: Any) -> list:
         """`program.run_batch(batch, backend=self, **options)`: placed graph-aware."""
@@ -84,8 +88,9 @@ class ClusterBackend(Backend):
     ) -> list | None:
         """Place the batch's instances on the replicas (those sharing the deepest prefixes
         together, computed tokens balanced), then run each replica's part there as a batch of
-        its own (its shared prefixes pinned there). A view of one replica runs it in place."""
-        if self.replica is not None:
+        its own (its shared prefixes pinned there). A view of one replica, or a backend made
+        with `place=False`, runs it in place (routed request by request)."""
+        if self.replica is not None or not self.place:
             return None
         from runtime.cluster.placement import Instance, place_batch
 

@@ -109,8 +109,11 @@ class Cluster:
         self.actors = {i: actor_class.remote(settings) for i in range(config.num_replicas)}
         self.router = Router(config.router, self.engine_config.page_size)
         snapshots = self._ray.get([a.snapshot.remote() for a in self.actors.values()])
-        for replica_id, snapshot in zip(self.actors, snapshots, strict=True):
-            self.router.add_replica(replica_id, snapshot)
+        described = self._ray.get([a.describe.remote() for a in self.actors.values()])
+        for replica_id, snapshot, (_, num_slots) in zip(
+            self.actors, snapshots, described, strict=True
+        ):
+            self.router.add_replica(replica_id, snapshot, num_slots)
         self.num_reruns = 0  # requests re-run after their replica died
         self.num_restarts = 0  # live actors restarted because their engine stopped
         self._incarnation = dict.fromkeys(self.actors, 0)  # bumped each time one is lost
@@ -344,11 +347,12 @@ class Cluster:
         while not self._closed.is_set():
             try:
                 snapshot = ray.get(self.actors[replica_id].snapshot.remote())
+                _, num_slots = ray.get(self.actors[replica_id].describe.remote())
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
                 time.sleep(REJOIN_POLL_S)  # not restarted yet (or for good: max_restarts)
                 continue
             with self._lock:
-                self.router.add_replica(replica_id, snapshot)
+                self.router.add_replica(replica_id, snapshot, num_slots)
                 self._rejoining.discard(replica_id)
             self._start_follower(replica_id)
             return

@@ -32,7 +32,26 @@ class NoReplicaError(RuntimeError):
 class _Replica:
     tree: MirrorTree  # exact: fed by the replica's KV events
     approx: MirrorTree  # `approximate` policy: every prompt routed here, never evicted
+    capacity_tokens: int | None  # its KV pool (None: unknown, never priced as evicting)
     running: dict[str, tuple[Hashable, tuple[int, ...]]] = field(default_factory=dict)
+    new_tokens: dict[str, int] = field(default_factory=dict)  # running: what each computes
+    computing_tokens: int = 0  # their sum: KV being written, not yet in the tree
+
+    def start(self, rid: str, namespace: Hashable, ids: tuple[int, ...], new: int) -> None:
+        self.running[rid] = (namespace, ids)
+        self.new_tokens[rid] = new
+        self.computing_tokens += new
+
+    def end(self, rid: str) -> None:
+        self.running.pop(rid, None)
+        self.computing_tokens -= self.new_tokens.pop(rid, 0)
+
+    def evictions(self, new: int) -> int:
+        """Tokens that admitting `new` more would evict (cached + being computed > pool)."""
+        if self.capacity_tokens is None:
+            return 0
+        return max(0, self.tree.num_tokens + self.computing_tokens + new - self.capacity_tokens)
+
     # finished requests whose insert events have not arrived: (event seq, rid)
     unconfirmed: list[tuple[int, str]] = field(default_factory=list)
 
@@ -62,15 +81,21 @@ class Router:
         with self._lock:
             return list(self._replicas)
 
-    def add_replica(self, replica_id: ReplicaId, snapshot: KVSnapshot | None = None) -> None:
-        """Start routing to a replica whose tree is `snapshot` (empty if None)."""
+    def add_replica(
+        self,
+        replica_id: ReplicaId,
+        snapshot: KVSnapshot | None = None,
+        capacity_tokens: int | None = None,
+    ) -> None:
+        """Start routing to a replica whose tree is `snapshot` (empty if None) and whose KV
+        pool holds `capacity_tokens` (None: unknown)."""
         tree = MirrorTree(self.page_size)
         if snapshot is not None:
             tree.load(snapshot)
         with self._lock:
             if replica_id in self._replicas:
                 raise ValueError(f"replica {replica_id!r} is already routed to")
-            self._replicas[replica_id] = _Replica(tree, MirrorTree(self.page_size))
+            self._replicas[replica_id] = _Replica(tree, MirrorTree(self.page_size), capacity_tokens)
 
     def remove_replica(self, replica_id: ReplicaId) -> list[str]:
         """Drop a (dead) replica, its tree and its pins; return the request ids it was running
@@ -118,7 +143,7 @@ class Router:
                 prefer = self._pin_reader_replica(ids, namespace)
             chosen = prefer if prefer is not None else self._choose(ids, namespace)
             replica = self._replicas[chosen]
-            replica.running[rid] = (namespace, ids)
+            replica.start(rid, namespace, ids, len(ids) - self._match_len(replica, ids, namespace))
             if self.config.policy == "approximate":
                 replica.approx.insert(ids, namespace)
             self._rid_replica[rid] = chosen
@@ -137,7 +162,7 @@ class Router:
                 replica.unconfirmed.append((after_seq, rid))
                 return
             del self._rid_replica[rid]
-            replica.running.pop(rid, None)
+            replica.end(rid)
 
     def replica_of(self, rid: str) -> ReplicaId | None:
         """Where a routed request runs (None once finished)."""
@@ -191,7 +216,7 @@ class Router:
         for seq, rid in replica.unconfirmed:
             if seq <= replica.tree.last_seq:
                 self._rid_replica.pop(rid, None)
-                replica.running.pop(rid, None)
+                replica.end(rid)
             else:
                 still.append((seq, rid))
         replica.unconfirmed = still
@@ -205,8 +230,10 @@ class Router:
         if policy == "least_loaded":
             return replica_ids[least_loaded(loads)]
         if policy == "cache_aware":
-            matches = [self._match_len(self._replicas[r], ids, namespace) for r in replica_ids]
-            return replica_ids[choose_cache_aware(matches, loads, self.config)]
+            replicas = [self._replicas[r] for r in replica_ids]
+            matches = [self._match_len(replica, ids, namespace) for replica in replicas]
+            evictions = [r.evictions(len(ids) - m) for r, m in zip(replicas, matches, strict=True)]
+            return replica_ids[choose_cache_aware(matches, loads, evictions, len(ids), self.config)]
         approx = [self._replicas[r].approx for r in replica_ids]
         matches = [tree.match_len(ids, namespace) for tree in approx]
         sizes = [tree.num_tokens for tree in approx]

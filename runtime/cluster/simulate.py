@@ -111,7 +111,7 @@ def simulate(
     replicas = [SimReplica(max_kv_tokens) for _ in range(num_replicas)]
     router = Router(config)
     for index in range(num_replicas):
-        router.add_replica(index)
+        router.add_replica(index, capacity_tokens=max_kv_tokens)
     state = _SimState(programs, replicas, router, placement)
     for _ in range(min(concurrency, len(programs))):
         state.start_next_program(0.0)
