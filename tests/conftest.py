@@ -6,6 +6,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray reads its auth mode once, at import: token auth (Ray 2.60's default for a local Ray, and
+# what a real cluster runs) for every Ray the tests start or join, in any order
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -38,14 +38,16 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    """A head node and a worker node (`ray start`), stopped afterwards. Ray 2.60's `ray start`
-    turns on token authentication unless RAY_AUTH_MODE=disabled; a test cluster on loopback
-    goes without (a real one keeps it: every node and the driver then set RAY_AUTH_MODE=token
-    and share the token)."""
+    """A head node and a worker node (`ray start`), stopped afterwards, with Ray 2.60's token
+    authentication on every node and this driver (RAY_AUTH_MODE=token, set for the driver by
+    conftest before Ray is imported; the token in ~/.ray/auth_token, made if missing), as on a
+    real cluster. A local `ray.init()` earlier in this process uses the same token."""
     if ray.is_initialized():
         ray.shutdown()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["RAY_AUTH_MODE"] = "disabled"
+    env["RAY_AUTH_MODE"] = "token"
+    generate = [RAY, "get-auth-token", "--generate"]
+    subprocess.run(generate, env=env, check=True, capture_output=True, timeout=60)
     address = f"127.0.0.1:{free_port()}"
     head = [RAY, "start", "--head", f"--port={address.split(':')[1]}", "--include-dashboard=false"]
     try:
