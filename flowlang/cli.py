@@ -72,6 +72,7 @@ def add_serve(commands: Commands) -> None:
     )
     serve.add_argument("--max-kv-tokens", type=int, default=None)
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    serve.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per engine)")
     serve.add_argument("--schedule-policy", default="fcfs")
     serve.add_argument("--eviction-policy", default="lru")
     serve.add_argument("--max-body-bytes", type=int, default=8 << 20)
@@ -97,6 +98,12 @@ def add_serve(commands: Commands) -> None:
         help="join this Ray cluster (default: RAY_ADDRESS, else local)",
     )
     serve.add_argument(
+        "--gpus-per-replica",
+        type=float,
+        default=1.0,
+        help="GPUs per replica with --device cuda (0.5: two replicas share one GPU)",
+    )
+    serve.add_argument(
         "--routing-policy",
         default="cache_aware",
         choices=["round_robin", "least_loaded", "cache_aware", "approximate"],
@@ -113,6 +120,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model=args.model,
         max_kv_tokens=args.max_kv_tokens,
         dtype=args.dtype,
+        device=args.device,
         schedule_policy=args.schedule_policy,
         eviction_policy=args.eviction_policy,
     )
@@ -132,7 +140,9 @@ def run_serve(args: argparse.Namespace) -> int:
         from runtime.cluster.serve import serve_cluster
 
         router = RouterConfig(policy=args.routing_policy)
-        cluster = ClusterConfig(args.replicas, router, args.ray_address)
+        cluster = ClusterConfig(
+            args.replicas, router, args.ray_address, num_gpus_per_replica=args.gpus_per_replica
+        )
         serve_cluster(config, cluster, settings)
     else:
         serve(config, settings)

@@ -237,3 +237,23 @@ def test_without_ray_a_clear_error_names_the_extra(monkeypatch):
     with pytest.raises(RayNotInstalledError, match="single-node works without it"):
         Cluster(EngineConfig(model="random:tiny", max_kv_tokens=256))
     assert simulate(_support_trace(2, 1), 2, RouterConfig(), 10_000, concurrency=2).num_requests
+
+
+def test_serve_cli_puts_replicas_on_gpus_as_asked(monkeypatch):
+    """`flowlang serve --device cuda --replicas 2 --gpus-per-replica 0.5`: CUDA engines, two
+    replicas sharing one GPU (the CLI's configs, captured before anything starts)."""
+    from flowlang.cli import main
+    from runtime.cluster import serve as cluster_serve
+    from runtime.cluster.cluster import ClusterConfig
+
+    seen = {}
+    monkeypatch.setattr(
+        cluster_serve, "serve_cluster", lambda config, cluster, settings: seen.update(locals())
+    )
+    argv = ["serve", "--model", "random:tiny", "--device", "cuda", "--replicas", "2"]
+    assert main([*argv, "--gpus-per-replica", "0.5", "--routing-policy", "round_robin"]) == 0
+    assert seen["config"].device == "cuda"
+    assert seen["cluster"].num_replicas == 2 and seen["cluster"].num_gpus_per_replica == 0.5
+    assert seen["cluster"].router.policy == "round_robin"
+    with pytest.raises(ValueError, match="must be > 0"):
+        ClusterConfig(num_gpus_per_replica=0)

@@ -55,13 +55,16 @@ class ClusterConfig:
     num_replicas: int = 2
     router: RouterConfig = field(default_factory=RouterConfig)
     ray_address: str | None = None  # None: RAY_ADDRESS, else a local Ray started here
-    num_cpus_per_replica: float = 1.0
+    num_cpus_per_replica: float = 1.0  # CPU engines
+    num_gpus_per_replica: float = 1.0  # CUDA engines; 0.5 puts two replicas on one GPU
     max_restarts: int = 3  # Ray restarts a dead replica this often
     max_attempts: int = 3  # runs of one request across replica deaths
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
+        if self.num_cpus_per_replica <= 0 or self.num_gpus_per_replica <= 0:
+            raise ValueError("num_cpus_per_replica and num_gpus_per_replica must be > 0")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
 
@@ -103,7 +106,9 @@ class Cluster:
         self._ray = init_ray(config.ray_address, None)
         gpu = self.engine_config.device.startswith("cuda")
         actor_class = replica_actor_class(
-            0 if gpu else config.num_cpus_per_replica, 1 if gpu else 0, config.max_restarts
+            0 if gpu else config.num_cpus_per_replica,
+            config.num_gpus_per_replica if gpu else 0,
+            config.max_restarts,
         )
         settings = self.engine_config.model_dump()
         self.actors = {i: actor_class.remote(settings) for i in range(config.num_replicas)}

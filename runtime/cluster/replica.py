@@ -170,6 +170,17 @@ class Replica:
 
         return require_ray().get_runtime_context().get_node_id()
 
+    def placement(self) -> dict[str, Any]:
+        """Where Ray put this replica: node, the GPUs it was given, the engine's device."""
+        from runtime.cluster.ray_support import require_ray
+
+        context = require_ray().get_runtime_context()
+        return {
+            "node_id": context.get_node_id(),
+            "gpu_ids": [str(i) for i in context.get_accelerator_ids().get("GPU", [])],
+            "device": self.engine.config.device,
+        }
+
     def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Stop the engine: new requests are refused (the cluster runs them elsewhere), those
         in flight get up to `drain_timeout_s` to finish; then the cluster's health check has
