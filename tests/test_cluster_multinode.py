@@ -74,7 +74,9 @@ def test_replicas_on_two_nodes_joined_by_address_run_programs_as_one_engine(
         tokenizer = single.tokenizer
     with Cluster(config, ClusterConfig(num_replicas=2, ray_address=two_nodes)) as cluster:
         assert len({node["NodeID"] for node in ray.nodes() if node["Alive"]}) == 2
-        nodes = ray.get([actor.node_id.remote() for actor in cluster.actors.values()])
+        nodes = [
+            p["node_id"] for p in ray.get([a.placement.remote() for a in cluster.actors.values()])
+        ]
         assert len(set(nodes)) == 2, "each replica on its own node"
         placed = support_agent.support_agent.run_batch(
             batch, backend=ClusterBackend(cluster, tokenizer), progress=False

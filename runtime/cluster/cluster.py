@@ -302,7 +302,7 @@ class Cluster:
         with self._lock:
             dropped = self._drop(replica_id)
         if dropped:
-            threading.Thread(target=self._rejoin, args=(replica_id,), daemon=True).start()
+            self._await_rejoin(replica_id)
 
     def _restart(self, replica_id: int, incarnation: int) -> None:
         """A replica's engine stopped while its actor lives on: have Ray restart the actor
@@ -317,7 +317,7 @@ class Cluster:
             self.num_restarts += 1
             self._ray.kill(self.actors[replica_id], no_restart=False)
             self._drop(replica_id)  # under the same lock: the next caller sees it gone
-        threading.Thread(target=self._rejoin, args=(replica_id,), daemon=True).start()
+        self._await_rejoin(replica_id)
 
     def _drop(self, replica_id: int) -> bool:
         """Stop routing to a replica and bump its incarnation (the caller holds the lock);
@@ -346,6 +346,9 @@ class Cluster:
                     healthy = True  # dead, not stopped: Ray restarts it; _lost follows it
                 if not healthy and not self._closed.is_set():
                     self._restart(replica_id, incarnation)
+
+    def _await_rejoin(self, replica_id: int) -> None:
+        threading.Thread(target=self._rejoin, args=(replica_id,), daemon=True).start()
 
     def _rejoin(self, replica_id: int) -> None:
         ray = self._ray

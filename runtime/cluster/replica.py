@@ -60,10 +60,7 @@ class Replica:
         (its closed subscription would answer at once, and the router would spin)."""
         if not self.engine.is_alive:
             raise EngineClosedError("this replica's engine stopped; it awaits its restart")
-        try:
-            return self._subscription.poll(timeout_s)
-        except KVEventsLostError:
-            return None
+        return _poll(self._subscription, timeout_s)
 
     def open_reader(self, max_pending_events: int) -> tuple[str, KVSnapshot]:
         """Another subscription to this replica's events (a client of the front's
@@ -81,10 +78,7 @@ class Replica:
             subscription = self._readers.get(reader_id)
         if subscription is None or subscription.closed:
             return None
-        try:
-            return subscription.poll(timeout_s)
-        except KVEventsLostError:
-            return None
+        return _poll(subscription, timeout_s)
 
     def close_reader(self, reader_id: str) -> None:
         """End a reader's subscription (unknown ids are ignored)."""
@@ -164,12 +158,6 @@ class Replica:
         """Whether the engine's loop runs."""
         return self.engine.is_alive
 
-    def node_id(self) -> str:
-        """The Ray node this replica runs on."""
-        from runtime.cluster.ray_support import require_ray
-
-        return require_ray().get_runtime_context().get_node_id()
-
     def placement(self) -> dict[str, Any]:
         """Where Ray put this replica: node, the GPUs it was given, the engine's device."""
         from runtime.cluster.ray_support import require_ray
@@ -186,6 +174,14 @@ class Replica:
         in flight get up to `drain_timeout_s` to finish; then the cluster's health check has
         Ray restart this actor with a fresh engine (recycling a replica)."""
         self.engine.close(drain_timeout_s)
+
+
+def _poll(subscription: KVEventSubscription, timeout_s: float) -> list[KVEvent] | None:
+    """A subscription's pending events; None once its reader fell behind."""
+    try:
+        return subscription.poll(timeout_s)
+    except KVEventsLostError:
+        return None
 
 
 def replica_actor_class(num_cpus: float, num_gpus: float, max_restarts: int):

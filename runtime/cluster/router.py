@@ -36,6 +36,8 @@ class _Replica:
     running: dict[str, tuple[Hashable, tuple[int, ...]]] = field(default_factory=dict)
     new_tokens: dict[str, int] = field(default_factory=dict)  # running: what each computes
     computing_tokens: int = 0  # their sum: KV being written, not yet in the tree
+    # finished requests whose insert events have not arrived: (event seq, rid)
+    unconfirmed: list[tuple[int, str]] = field(default_factory=list)
 
     def start(self, rid: str, namespace: Hashable, ids: tuple[int, ...], new: int) -> None:
         self.running[rid] = (namespace, ids)
@@ -51,9 +53,6 @@ class _Replica:
         if self.capacity_tokens is None:
             return 0
         return max(0, self.tree.num_tokens + self.computing_tokens + new - self.capacity_tokens)
-
-    # finished requests whose insert events have not arrived: (event seq, rid)
-    unconfirmed: list[tuple[int, str]] = field(default_factory=list)
 
 
 class Router:

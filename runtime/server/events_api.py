@@ -10,6 +10,7 @@ tenant's prompts, so with API keys the route needs an admin key.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -33,16 +34,15 @@ async def kv_events(
     """Stream the engine's (or one replica's) KV cache events, snapshot first, one JSON
     object per line."""
     engine = server.engine
-    if replica is None:
-        subscription = await asyncio.to_thread(engine.subscribe_kv_events)
-    elif hasattr(engine, "replica_ids"):  # a router front
-        subscription = await asyncio.to_thread(engine.subscribe_kv_events, replica=replica)
-    elif replica == 0:
-        subscription = await asyncio.to_thread(engine.subscribe_kv_events)
+    if hasattr(engine, "replica_ids"):  # a router front: it names the replica or refuses
+        subscribe = functools.partial(engine.subscribe_kv_events, replica=replica)
+    elif replica in (None, 0):
+        subscribe = engine.subscribe_kv_events
     else:
         raise InvalidRequestError(
             f"this server is one engine (replica 0), not a front; got {replica}"
         )
+    subscription = await asyncio.to_thread(subscribe)
     return StreamingResponse(_lines(request, subscription), media_type="application/x-ndjson")
 
 
