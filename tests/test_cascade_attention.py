@@ -18,6 +18,7 @@ from runtime.model.attention.cascade import find_shared_prefixes
 from runtime.model.attention.cpu_backend import CpuPagedAttention
 from runtime.model.attention.torch_backend import TorchAttention
 from runtime.model.batch import ForwardBatch
+from runtime.model.native.kernels import native_flash_supported
 
 HEADS, KV_HEADS, HEAD_DIM, NUM_SLOTS = 6, 2, 16, 4096
 
@@ -28,9 +29,9 @@ def run_layer(backend_cls, pool: KVPool, batch: ForwardBatch, qkv, layer: int = 
     return backend, backend.forward(layer, *qkv)
 
 
-def random_qkv(num_tokens: int, dtype: torch.dtype, gen: torch.Generator):
-    q = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=gen).to(dtype)
-    k, v = torch.randn(2, num_tokens, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+def random_qkv(num_tokens: int, dtype: torch.dtype, gen: torch.Generator, head_dim=HEAD_DIM):
+    q = torch.randn(num_tokens, HEADS, head_dim, generator=gen).to(dtype)
+    k, v = torch.randn(2, num_tokens, KV_HEADS, head_dim, generator=gen).to(dtype)
     return q, k, v
 
 
@@ -45,14 +46,23 @@ def shared_batch(prefix: torch.Tensor, tails: list[tuple[int, int]], gen, free: 
     return slot_lists, new_ids, free[used:]
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize(
+    "dtype,head_dim,tol",
+    [
+        (torch.float32, HEAD_DIM, 1e-5),
+        (torch.bfloat16, HEAD_DIM, 3e-2),
+        (torch.float32, 64, 1e-5),
+        (torch.bfloat16, 64, 3e-2),
+    ],
+)
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_cascade_matches_reference(dtype, tol, contiguous):
+def test_cascade_matches_reference(dtype, head_dim, tol, contiguous):
+    """head_dim 64 takes the native flash kernel where the CPU has AVX-512 BF16; 16 torch's."""
     gen = torch.Generator().manual_seed(1)
-    pool = KVPool(2, NUM_SLOTS, KV_HEADS, HEAD_DIM, dtype)
+    pool = KVPool(2, NUM_SLOTS, KV_HEADS, head_dim, dtype)
     for layer in range(2):
-        pool.k[layer].copy_(torch.randn(NUM_SLOTS, KV_HEADS, HEAD_DIM, generator=gen))
-        pool.v[layer].copy_(torch.randn(NUM_SLOTS, KV_HEADS, HEAD_DIM, generator=gen))
+        pool.k[layer].copy_(torch.randn(NUM_SLOTS, KV_HEADS, head_dim, generator=gen))
+        pool.v[layer].copy_(torch.randn(NUM_SLOTS, KV_HEADS, head_dim, generator=gen))
     order = torch.arange(NUM_SLOTS) if contiguous else torch.randperm(NUM_SLOTS, generator=gen)
     prefix_a, prefix_b, free = order[100:300], order[300:380], order[400:]
     # group A: decodes, a short extend, long extends with and without an own cached tail
@@ -65,8 +75,8 @@ def test_cascade_matches_reference(dtype, tol, contiguous):
     lone_slots = [free[:50], free[50:90], free[90:250]]
     lone_ids = [[7], torch.randint(0, 100, (40,), generator=gen).tolist(), [3] * 60]
     batch = ForwardBatch.build(a_ids + b_ids + lone_ids, a_slots + b_slots + lone_slots)
-    qkv = random_qkv(batch.num_tokens, dtype, gen)
-    ref_pool = KVPool(2, NUM_SLOTS, KV_HEADS, HEAD_DIM, dtype)
+    qkv = random_qkv(batch.num_tokens, dtype, gen, head_dim)
+    ref_pool = KVPool(2, NUM_SLOTS, KV_HEADS, head_dim, dtype)
     for layer in range(2):
         ref_pool.k[layer].copy_(pool.k[layer])
         ref_pool.v[layer].copy_(pool.v[layer])
@@ -76,6 +86,8 @@ def test_cascade_matches_reference(dtype, tol, contiguous):
     assert sorted(c.prefix.length for c in backend._cascades) == [80, 100, 200]
     assert all((c.prefix.first_slot is not None) == contiguous for c in backend._cascades)
     assert len(backend._extends) == 1 and backend.decode_group is not None  # the other loners
+    native = head_dim == 64 and native_flash_supported()
+    assert backend._native_flash == native
     assert (got.float() - expected.float()).abs().max().item() < tol
     assert torch.equal(pool.k[1], ref_pool.k[1])  # the new K/V were written alike
 
@@ -173,3 +185,21 @@ def test_deepest_shared_run_is_found_whoever_has_the_longest_prefix():
     prefix_lens = [s.numel() - 1 for s in lists]
     groups = find_shared_prefixes(lists, prefix_lens, 64)
     assert sorted((g.members, g.length) for g in groups) == [((0, 1, 2, 3), 300), ((4, 5), 100)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_native_merge_matches_the_reference(dtype, tol):
+    """The CPU backend merges a cascade's halves natively; the torch merge is the reference,
+    including lse far apart (one half negligible) and a head size off 16 lanes."""
+    from runtime.model.attention.cascade import merge_partial
+    from runtime.model.native.kernels import load_cpu_kernels
+
+    gen = torch.Generator().manual_seed(3)
+    for head_dim in (64, 20):
+        out_a, out_b = torch.randn(2, 37, 6, head_dim, generator=gen).to(dtype)
+        lse_a, lse_b = torch.randn(2, 37, 6, generator=gen) * 4
+        lse_b[0] += 80  # half A negligible for row 0
+        got = load_cpu_kernels().merge_attention(out_a, lse_a, out_b, lse_b)
+        want = merge_partial(out_a, lse_a, out_b, lse_b)
+        assert got.dtype == dtype
+        assert (got.float() - want.float()).abs().max().item() < tol

@@ -131,29 +131,34 @@ def test_unsupported_architecture_is_a_clear_error():
         ModelArch.from_hf(config)
 
 
-def test_paged_kernel_matches_reference_with_window_and_bf16():
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_paged_kernel_matches_reference_with_window_and_bf16(head_dim):
     """The native kernel vs gather + SDPA on ragged, scattered, windowed decodes and short
-    extends (several query rows per sequence), fp32 and bf16."""
+    extends (several query rows per sequence), fp32 and bf16, with each row's log-sum-exp.
+    Single-row decodes take the vectorized paths (bf16 on vdpbf16ps at head_dim 64/128)."""
     import torch.nn.functional as F
 
-    from runtime.model.attention.cpu_kernels import load_cpu_kernels
+    from runtime.model.native.kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels()
     gen = torch.Generator().manual_seed(0)
-    kv_lens, q_lens = [1, 7, 64, 130, 40], [1, 3, 1, 17, 40]
-    k_pool, v_pool = torch.randn(2, 1000, 2, 16, generator=gen)
-    q = torch.randn(sum(q_lens), 6, 16, generator=gen)
+    kv_lens, q_lens = [1, 7, 64, 130, 40, 333, 17], [1, 3, 1, 17, 40, 1, 1]
+    k_pool, v_pool = torch.randn(2, 1000, 2, head_dim, generator=gen)
+    q = torch.randn(sum(q_lens), 6, head_dim, generator=gen)
     slots = torch.randperm(1000, generator=gen)[: sum(kv_lens)]
     kv_indptr = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()])
     qo_indptr = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
     for window in (0, 20):
-        expected = []
+        expected, expected_lse = [], []
         for b, (kv_len, q_len) in enumerate(zip(kv_lens, q_lens, strict=True)):
             rows = slots[kv_indptr[b] : kv_indptr[b + 1]]
             q_pos = torch.arange(kv_len - q_len, kv_len)[:, None]
             k_pos = torch.arange(kv_len)[None, :]
             mask = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
             qb = q[qo_indptr[b] : qo_indptr[b + 1]]
+            scores = torch.einsum("nhd,lhd->nhl", qb, k_pool[rows].repeat_interleave(3, 1))
+            scores = scores * head_dim**-0.5
+            expected_lse.append(torch.logsumexp(scores.masked_fill(~mask[:, None], -1e30), -1))
             expected.append(
                 F.scaled_dot_product_attention(
                     qb.transpose(0, 1)[None],
@@ -163,23 +168,25 @@ def test_paged_kernel_matches_reference_with_window_and_bf16():
                     enable_gqa=True,
                 )[0].transpose(0, 1)
             )
-        expected = torch.cat(expected)
-        got, _ = kernels.paged_attention(
-            q, k_pool, v_pool, slots, kv_indptr, qo_indptr, 16**-0.5, window, 0.0
+        expected, expected_lse = torch.cat(expected), torch.cat(expected_lse)
+        got, lse = kernels.paged_attention(
+            q, k_pool, v_pool, slots, kv_indptr, qo_indptr, head_dim**-0.5, window, 0.0
         )
         assert close(got, expected) < 1e-5
-        got16, _ = kernels.paged_attention(
+        assert close(lse, expected_lse) < 1e-5
+        got16, lse16 = kernels.paged_attention(
             q.bfloat16(),
             k_pool.bfloat16(),
             v_pool.bfloat16(),
             slots,
             kv_indptr,
             qo_indptr,
-            16**-0.5,
+            head_dim**-0.5,
             window,
             0.0,
         )
         assert close(got16.float(), expected) < 3e-2
+        assert close(lse16, expected_lse) < 3e-2
 
 
 def test_flashinfer_is_never_imported_on_cpu():

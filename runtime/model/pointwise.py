@@ -1,10 +1,11 @@
 """The decoder's small per-token ops: RMSNorm, residual add + RMSNorm, RoPE, gated activation.
 
-One interface, two implementations, chosen by `pointwise_ops(device, arch)`:
+One interface, three implementations, chosen by `pointwise_ops(device, arch)`:
 - `TorchOps`, the reference on every device, with transformers' numerics: Llama-style norms in
   fp32 with the normalized activations cast back before the weight multiplies; Gemma-style
   norms (`gemma_norms`, weights held as 1 + w in fp32) multiply in fp32 and cast after; the
   gated MLP's activation is SiLU or tanh-GELU;
+- `NativeCpuOps` on CPU for Llama-style norms: one native pass per norm, same numerics;
 - `FlashInferOps` on CUDA where flashinfer is installed: one fused kernel per op. In eager
   PyTorch each of these is 5-10 elementwise kernels, so a decode step of a 32-layer model is
   over a thousand launches, which even a CUDA graph pays for one by one (about 2 us each).
@@ -13,6 +14,7 @@ One interface, two implementations, chosen by `pointwise_ops(device, arch)`:
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,14 +136,52 @@ class FlashInferOps(TorchOps):
         return self._fi.activation.silu_and_mul(gate_up)
 
 
+class NativeCpuOps(TorchOps):
+    """On CPU for Llama-style models: RMSNorm, residual add + RMSNorm, RoPE and SiLU-and-mul,
+    each one native pass over the batch with the reference's roundings (csrc/pointwise.cpp)."""
+
+    name = "native-cpu"
+
+    def __init__(self, kernels: Any, hidden_act: str) -> None:
+        super().__init__(False, hidden_act)
+        self._kernels = kernels
+        self._native_act = hidden_act == "silu"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._kernels.rms_norm(x.contiguous(), weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return self._kernels.add_rms_norm(x.contiguous(), residual.contiguous(), weight, eps)
+
+    def rope_context(self, positions: torch.Tensor, tables: RopeTables) -> Any:
+        return tables.cos[positions], tables.sin[positions]  # (tokens, rotary_dim) each
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, context: Any) -> tuple[torch.Tensor, ...]:
+        cos, sin = context
+        return self._kernels.rope(q, cos, sin), self._kernels.rope(k, cos, sin)
+
+    def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not self._native_act:
+            return super().act_mul(gate_up)
+        return self._kernels.silu_and_mul(gate_up.contiguous())
+
+
 def pointwise_ops(device: torch.device, gemma_norms: bool, hidden_act: str) -> TorchOps:
     """flashinfer's fused kernels on CUDA when installed, for Llama-style models (SiLU, plain
-    norms); the torch reference otherwise (Gemma's variants have not run on a GPU here)."""
+    norms); our native norms on CPU for them (the reference if they cannot be compiled here,
+    with the reason printed); the torch reference otherwise (Gemma's variants)."""
     import importlib.util
 
-    fused = device.type == "cuda" and not gemma_norms and hidden_act == "silu"
-    if fused and importlib.util.find_spec("flashinfer") is not None:
+    llama_style = not gemma_norms and hidden_act == "silu"
+    if device.type == "cuda" and llama_style and importlib.util.find_spec("flashinfer"):
         return FlashInferOps()
+    if device.type == "cpu" and not gemma_norms:
+        from runtime.model.native.kernels import KernelBuildError, load_cpu_kernels
+
+        try:
+            return NativeCpuOps(load_cpu_kernels(), hidden_act)
+        except KernelBuildError as err:
+            print(f"[flowlang] {err}; using the torch norms", file=sys.stderr)
     return TorchOps(gemma_norms, hidden_act)
 
 

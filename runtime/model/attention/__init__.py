@@ -45,7 +45,7 @@ def make_attention_backend(
             pool.device.type, pool.device.type == "cuda" and uniform and flashinfer_importable()
         )
         if name == "cpu":
-            from runtime.model.attention.cpu_kernels import KernelBuildError, load_cpu_kernels
+            from runtime.model.native.kernels import KernelBuildError, load_cpu_kernels
 
             try:
                 load_cpu_kernels()

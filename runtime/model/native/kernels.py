@@ -1,4 +1,5 @@
-"""The native CPU attention kernel (csrc/paged_attention.cpp), compiled on first use, cached.
+"""The native CPU kernels (csrc/: paged and flash attention, RMSNorm), compiled on first use,
+cached.
 
 torch.utils.cpp_extension builds it with the machine's compiler (-O3 -march=native, OpenMP
 through ATen's parallel_for) into torch's extension cache; later processes load it in
@@ -14,7 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_attention.cpp", "flash.cpp", "merge_attention.cpp", "pointwise.cpp")
+]
+_HEADERS = [Path(__file__).parent / "csrc" / "avx512_math.h"]
 
 
 class KernelBuildError(RuntimeError):
@@ -24,30 +29,39 @@ class KernelBuildError(RuntimeError):
 @functools.cache
 def load_cpu_kernels() -> Any:
     """The ops namespace with `paged_attention(q, k_pool, v_pool, slots, kv_indptr, qo_indptr,
-    scale, window, softcap)`; softcap 0 leaves the scores uncapped."""
+    scale, window, softcap)` (softcap 0 leaves the scores uncapped), and
+    `flash_attention(q, k, v, scale, causal)` (bf16, fp32) where `native_flash_supported()`,
+    `merge_attention(out_a, lse_a, out_b, lse_b)`, and
+    `rms_norm(x, weight, eps)`, `add_rms_norm(x, residual, weight, eps)`."""
     import torch
     from torch.utils.cpp_extension import load
 
     started = time.perf_counter()
     # named by the source's hash: processes built from different sources (a checkout of an
     # older commit) never load or overwrite each other's builds in torch's extension cache
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    source = b"".join(p.read_bytes() for p in [*_SOURCES, *_HEADERS])
+    digest = hashlib.sha256(source).hexdigest()[:12]
     try:
         load(
             name=f"flowlang_cpu_attention_{digest}",
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,  # registers torch.ops.flowlang.*
             verbose=False,
         )
     except (RuntimeError, OSError, ImportError) as err:
-        raise KernelBuildError(f"building the CPU attention kernel failed: {err}") from err
+        raise KernelBuildError(f"building the CPU kernels failed: {err}") from err
     elapsed = time.perf_counter() - started
     if elapsed > 2:
         print(
-            f"[flowlang] compiled the CPU attention kernel in {elapsed:.0f} s (cached now)",
+            f"[flowlang] compiled the CPU kernels in {elapsed:.0f} s (cached now)",
             file=sys.stderr,
             flush=True,
         )
     return torch.ops.flowlang
+
+
+def native_flash_supported() -> bool:
+    """Whether this CPU runs the native flash kernel (built where it has AVX-512 BF16)."""
+    return bool(load_cpu_kernels().native_flash_supported())

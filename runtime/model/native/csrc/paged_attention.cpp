@@ -1,0 +1,398 @@
+// Paged attention on CPU for decodes and short extends: K/V read in place from the
+// slot-indexed pool (no gather copy). Parallel over sequences; fp32 accumulation. Also
+// returns each (row, head)'s log-sum-exp of scaled scores, so that a caller can merge this
+// result with attention over other keys (a shared prefix attended once for many sequences).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include "avx512_math.h"
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+template <typename scalar_t>
+inline float to_float(scalar_t x) { return static_cast<float>(x); }
+
+// Slots are scattered after eviction churn: fetch rows a few steps ahead of use.
+constexpr int64_t kPrefetch = 6;
+
+template <typename scalar_t>
+inline void prefetch_row(const scalar_t* ptr, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(ptr);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(scalar_t)); off += 64)
+    __builtin_prefetch(p + off, 0, 1);
+}
+
+#if defined(__AVX512F__)
+// A decode (one query row) vectorized across keys, 16 at a time: each head's 16 dot products
+// are summed by one transpose-and-add tree, softmax runs on whole vectors, and P·V
+// accumulates in registers. Sequences with several new rows, windows or soft-capping take
+// the general kernel below.
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head this path handles
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// 16 rows (of D values, one KV head) -> fp32 in buf, or in place when already fp32.
+template <typename scalar_t>
+inline void rows_f32(const scalar_t* base, const int64_t* seq, int64_t count,
+                             int64_t row, int64_t D, float* buf, const float** ptrs) {
+  for (int64_t jj = 0; jj < count; ++jj) {
+    const scalar_t* src = base + seq[jj] * row;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      ptrs[jj] = src;
+    } else {
+      for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(buf + jj * D + c, load16(src + c));
+      ptrs[jj] = buf + jj * D;
+    }
+  }
+}
+
+// Keys j0.. (up to 16) of one KV head as fp32 rows in `ptrs`, the next 16 prefetched.
+template <typename scalar_t>
+inline int64_t key_block(const scalar_t* pool, const int64_t* seq, int64_t j0, int64_t L,
+                         int64_t hk, int64_t row, int64_t D, float* buf, const float** ptrs) {
+  const int64_t count = std::min<int64_t>(16, L - j0);
+  for (int64_t jj = 0; jj < count && j0 + 16 + jj < L; ++jj)
+    prefetch_row(pool + seq[j0 + 16 + jj] * row + hk * D, D);
+  rows_f32(pool + hk * D, seq + j0, count, row, D, buf, ptrs);
+  return count;
+}
+
+template <typename scalar_t>
+void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_pool,
+                const int64_t* seq, int64_t L, scalar_t* out, float* lse, int64_t H,
+                int64_t KVH, int64_t D, float scale, std::vector<float>& scores,
+                std::vector<float>& acc) {
+  using namespace flowlang_avx512;
+  const int64_t G = H / KVH, row = KVH * D, L_pad = (L + 15) / 16 * 16;
+  constexpr float kLog2e = 1.4426950408889634f;
+  scores.resize(H * L_pad);
+  acc.assign(H * D, 0.f);
+  alignas(64) float qf[kMaxGroup * 256], buf[16 * 256];
+  const float* ptrs[16];
+  for (int64_t hk = 0; hk < KVH; ++hk) {
+    for (int64_t i = 0; i < G * D; ++i)  // scores kept in base 2: exp2 below
+      qf[i] = static_cast<float>(q[hk * G * D + i]) * scale * kLog2e;
+    // scores[h][j] = q_h · k_j
+    for (int64_t j0 = 0; j0 < L; j0 += 16) {
+      const int64_t count = key_block(k_pool, seq, j0, L, hk, row, D, buf, ptrs);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 partial[16];
+        for (int64_t jj = 0; jj < 16; ++jj) {
+          __m512 sum = _mm512_setzero_ps();
+          if (jj < count)
+            for (int64_t c = 0; c < D; c += 16)
+              sum = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + c), _mm512_loadu_ps(ptrs[jj] + c), sum);
+          partial[sum_slot(jj)] = sum;
+        }
+        const __mmask16 valid = count == 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+        _mm512_storeu_ps(&scores[(hk * G + g) * L_pad + j0],
+                         _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sum_lanes16(partial)));
+      }
+    }
+  }
+  // softmax per head, in place: scores become probabilities
+  for (int64_t h = 0; h < H; ++h) {
+    float* s = &scores[h * L_pad];
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < L_pad; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+    const float m = _mm512_reduce_max_ps(top);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < L_pad; j += 16) {
+      const __m512 e = exp2_neg(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(m)));
+      total = _mm512_add_ps(total, e);
+      _mm512_storeu_ps(s + j, e);
+    }
+    const float sum = _mm512_reduce_add_ps(total);
+    lse[h] = (m + std::log2(sum)) / kLog2e;
+    const __m512 inv = _mm512_set1_ps(1.f / sum);
+    for (int64_t j = 0; j < L_pad; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
+  }
+  // acc[h] = Σ_j p[h][j] v_j, 16 keys at a time
+  for (int64_t hk = 0; hk < KVH; ++hk) {
+    for (int64_t j0 = 0; j0 < L; j0 += 16) {
+      const int64_t count = key_block(v_pool, seq, j0, L, hk, row, D, buf, ptrs);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* p = &scores[(hk * G + g) * L_pad + j0];
+        float* a = &acc[(hk * G + g) * D];
+        for (int64_t c = 0; c < D; c += 16) {
+          __m512 sum = _mm512_loadu_ps(a + c);
+          for (int64_t jj = 0; jj < count; ++jj)
+            sum = _mm512_fmadd_ps(_mm512_set1_ps(p[jj]), _mm512_loadu_ps(ptrs[jj] + c), sum);
+          _mm512_storeu_ps(a + c, sum);
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < H * D; ++i) out[i] = static_cast<scalar_t>(acc[i]);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// The same decode for bf16 on vdpbf16ps: q·k straight from the pool's bf16 rows (pairs of
+// features per lane), and P·V from pairs of keys (each lane holds v_j[d], v_j+1[d], built
+// with one permute per 16 features) against bf16 pairs of probabilities, as the flash
+// kernel rounds them. ND = D / 16 accumulators per head.
+template <int ND>
+void decode_one_bf16(const at::BFloat16* q, const at::BFloat16* k_pool,
+                     const at::BFloat16* v_pool, const int64_t* seq, int64_t L,
+                     at::BFloat16* out, float* lse, int64_t H, int64_t KVH, float scale,
+                     std::vector<float>& scores, std::vector<float>& acc) {
+  using namespace flowlang_avx512;
+  constexpr int64_t D = 16 * ND, NZ = ND / 2;  // NZ zmm of 32 bf16 per row
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int64_t G = H / KVH, row = KVH * D, L_pad = (L + 15) / 16 * 16;
+  scores.resize(H * L_pad);
+  acc.resize(H * L_pad / 2);  // the probabilities as bf16 pairs
+  const __m512 factor = _mm512_set1_ps(scale * kLog2e);  // scores in base 2: exp2 below
+  for (int64_t hk = 0; hk < KVH; ++hk) {
+    const uint16_t* qh = reinterpret_cast<const uint16_t*>(q) + hk * G * D;
+    for (int64_t j0 = 0; j0 < L; j0 += 16) {
+      const int64_t count = std::min<int64_t>(16, L - j0);
+      for (int64_t jj = 0; jj < count && j0 + 16 + jj < L; ++jj)
+        prefetch_row(k_pool + seq[j0 + 16 + jj] * row + hk * D, D);
+      __m512 partial[kMaxGroup][16];
+      for (int64_t jj = 0; jj < 16; ++jj) {
+        if (jj >= count) {
+          for (int64_t g = 0; g < G; ++g) partial[g][sum_slot(jj)] = _mm512_setzero_ps();
+          continue;
+        }
+        const at::BFloat16* kr = k_pool + seq[j0 + jj] * row + hk * D;
+        __m512i kz[NZ];
+        for (int c = 0; c < NZ; ++c) kz[c] = _mm512_loadu_si512(kr + 32 * c);
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 sum = _mm512_setzero_ps();
+          for (int c = 0; c < NZ; ++c)
+            sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(qh + g * D + 32 * c),
+                                   (__m512bh)kz[c]);
+          partial[g][sum_slot(jj)] = sum;
+        }
+      }
+      const __mmask16 valid = count == 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+      for (int64_t g = 0; g < G; ++g)
+        _mm512_storeu_ps(&scores[(hk * G + g) * L_pad + j0],
+                         _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid,
+                                            sum_lanes16(partial[g]), factor));
+    }
+  }
+  // softmax per head; probabilities normalized, then rounded to bf16 pairs
+  uint16_t* probs = reinterpret_cast<uint16_t*>(acc.data());
+  for (int64_t h = 0; h < H; ++h) {
+    float* s = &scores[h * L_pad];
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < L_pad; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < L_pad; j += 16) {
+      const __m512 e = exp2_neg(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
+      total = _mm512_add_ps(total, e);
+      _mm512_storeu_ps(s + j, e);
+    }
+    const float sum = _mm512_reduce_add_ps(total);
+    lse[h] = (_mm512_reduce_max_ps(top) + std::log2(sum)) / kLog2e;
+    const __m512 inv = _mm512_set1_ps(1.f / sum);
+    for (int64_t j = 0; j < L_pad; j += 16) {
+      const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(s + j), inv);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + h * L_pad + j),
+                          (__m256i)_mm512_cvtneps_pbh(p));
+    }
+  }
+  // out[h] = Σ_j p[h][j] v_j over pairs of keys
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                          40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
+                                          1, 32, 0);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  alignas(64) uint32_t pairs[8 * D];  // 8 key pairs: lane d holds (v_2t[d], v_2t+1[d])
+  for (int64_t hk = 0; hk < KVH; ++hk) {
+    __m512 sums[kMaxGroup][ND];
+    for (int64_t g = 0; g < G; ++g)
+      for (int c = 0; c < ND; ++c) sums[g][c] = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < L; j0 += 16) {
+      const int64_t count = std::min<int64_t>(16, L - j0);
+      for (int64_t jj = 0; jj < count && j0 + 16 + jj < L; ++jj)
+        prefetch_row(v_pool + seq[j0 + 16 + jj] * row + hk * D, D);
+      const int64_t num_pairs = (count + 1) / 2;
+      for (int64_t t = 0; t < num_pairs; ++t) {
+        const at::BFloat16* va = v_pool + seq[j0 + 2 * t] * row + hk * D;
+        const bool odd = j0 + 2 * t + 1 >= L;  // no second key: its probability is 0
+        const at::BFloat16* vb = odd ? va : v_pool + seq[j0 + 2 * t + 1] * row + hk * D;
+        for (int c = 0; c < NZ; ++c) {
+          const __m512i a = _mm512_loadu_si512(va + 32 * c), b = _mm512_loadu_si512(vb + 32 * c);
+          _mm512_storeu_si512(pairs + t * D + 32 * c, _mm512_permutex2var_epi16(a, lo_idx, b));
+          _mm512_storeu_si512(pairs + t * D + 32 * c + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const uint32_t* pp = reinterpret_cast<const uint32_t*>(probs + (hk * G + g) * L_pad + j0);
+        for (int64_t t = 0; t < num_pairs; ++t) {
+          const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[t]));
+          for (int c = 0; c < ND; ++c)
+            sums[g][c] = _mm512_dpbf16_ps(sums[g][c], p, (__m512bh)_mm512_loadu_si512(pairs + t * D + 16 * c));
+        }
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      at::BFloat16* o = out + (hk * G + g) * D;
+      for (int c = 0; c < ND; ++c)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c),
+                            (__m256i)_mm512_cvtneps_pbh(sums[g][c]));
+    }
+  }
+}
+#endif
+
+template <typename scalar_t>
+void attention_kernel(
+    const scalar_t* q,          // (T, H, D): the new tokens' queries, sequence after sequence
+    const scalar_t* k_pool,     // (S, KVH, D)
+    const scalar_t* v_pool,     // (S, KVH, D)
+    const int64_t* slots,       // concatenated slot lists (cached prefix + new tokens)
+    const int64_t* kv_indptr,   // (B + 1,) offsets into slots
+    const int64_t* qo_indptr,   // (B + 1,) offsets into q rows
+    scalar_t* out,              // (T, H, D)
+    float* lse,                 // (T, H): log-sum-exp of the scaled scores
+    int64_t B, int64_t H, int64_t KVH, int64_t D, float scale, int64_t window, float softcap) {
+  const int64_t G = H / KVH;
+  const int64_t row = KVH * D;  // one slot's K (or V) for all kv heads: contiguous
+  // One task per sequence: each K/V row is read once, whole, for every head and query row.
+  // Query row r of a sequence with L keys and n queries sits at position L - n + r and
+  // attends to keys [max(0, pos - window + 1), pos].
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, acc, scores, rowf(row);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = qo_indptr[b + 1] - qo_indptr[b];
+      const int64_t L = kv_indptr[b + 1] - kv_indptr[b];
+      const int64_t* seq = slots + kv_indptr[b];
+#if defined(__AVX512F__)
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+        if (n == 1 && window == 0 && softcap == 0.f && D % 16 == 0 && D <= 256 &&
+            G <= kMaxGroup) {
+          const scalar_t* qb = q + qo_indptr[b] * H * D;
+          scalar_t* ob = out + qo_indptr[b] * H * D;
+          float* lb = lse + qo_indptr[b] * H;
+#if defined(__AVX512BF16__)
+          if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+            if (D == 64 || D == 128) {
+              if (D == 64)
+                decode_one_bf16<4>(qb, k_pool, v_pool, seq, L, ob, lb, H, KVH, scale, scores, acc);
+              else
+                decode_one_bf16<8>(qb, k_pool, v_pool, seq, L, ob, lb, H, KVH, scale, scores, acc);
+              continue;
+            }
+          }
+#endif
+          decode_one(qb, k_pool, v_pool, seq, L, ob, lb, H, KVH, D, scale, scores, acc);
+          continue;
+        }
+      }
+#endif
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, L - n - window + 1) : 0;
+      const int64_t span = L - lo;  // keys any row of this sequence may see
+      qf.resize(n * H * D);
+      acc.assign(n * H * D, 0.f);
+      scores.assign(n * H * span, -INFINITY);
+      for (int64_t i = 0; i < n * H * D; ++i)
+        qf[i] = to_float(q[qo_indptr[b] * H * D + i]) * scale;
+      // pass 1: scores (n, H, span)
+      for (int64_t j = lo; j < L; ++j) {
+        if (j + kPrefetch < L) prefetch_row(k_pool + seq[j + kPrefetch] * row, row);
+        const scalar_t* kr = k_pool + seq[j] * row;
+        for (int64_t i = 0; i < row; ++i) rowf[i] = to_float(kr[i]);
+        for (int64_t r = 0; r < n; ++r) {
+          const int64_t pos = L - n + r;
+          if (j > pos || (window > 0 && j <= pos - window)) continue;
+          for (int64_t h = 0; h < H; ++h) {
+            const float* qh = qf.data() + (r * H + h) * D;
+            const float* kh = rowf.data() + (h / G) * D;
+            float s = 0.f;
+            for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
+            if (softcap > 0.f) s = softcap * std::tanh(s / softcap);  // Gemma 2's logit cap
+            scores[(r * H + h) * span + (j - lo)] = s;
+          }
+        }
+      }
+      // softmax per (row, head); masked keys stay at -inf and become 0
+      for (int64_t rh = 0; rh < n * H; ++rh) {
+        float* sh = scores.data() + rh * span;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < span; ++j) m = std::max(m, sh[j]);
+        float sum = 0.f;
+        for (int64_t j = 0; j < span; ++j) {
+          sh[j] = sh[j] == -INFINITY ? 0.f : std::exp(sh[j] - m);
+          sum += sh[j];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t j = 0; j < span; ++j) sh[j] *= inv;
+        lse[qo_indptr[b] * H + rh] = m + std::log(sum);
+      }
+      // pass 2: weighted sums of V rows
+      for (int64_t j = lo; j < L; ++j) {
+        if (j + kPrefetch < L) prefetch_row(v_pool + seq[j + kPrefetch] * row, row);
+        const scalar_t* vr = v_pool + seq[j] * row;
+        for (int64_t i = 0; i < row; ++i) rowf[i] = to_float(vr[i]);
+        for (int64_t r = 0; r < n; ++r) {
+          for (int64_t h = 0; h < H; ++h) {
+            const float p = scores[(r * H + h) * span + (j - lo)];
+            if (p == 0.f) continue;
+            const float* vh = rowf.data() + (h / G) * D;
+            float* ah = acc.data() + (r * H + h) * D;
+            for (int64_t d = 0; d < D; ++d) ah[d] += p * vh[d];
+          }
+        }
+      }
+      for (int64_t i = 0; i < n * H * D; ++i)
+        out[qo_indptr[b] * H * D + i] = static_cast<scalar_t>(acc[i]);
+    }
+  });
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
+                              const torch::Tensor& v_pool, const torch::Tensor& slots,
+                              const torch::Tensor& kv_indptr, const torch::Tensor& qo_indptr,
+                              double scale, int64_t window, double softcap) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3, "q (T,H,D) and pools (S,KVH,D) expected");
+  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(),
+              "contiguous tensors expected");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && kv_indptr.scalar_type() == torch::kLong &&
+                  qo_indptr.scalar_type() == torch::kLong,
+              "int64 slots and indptrs expected");
+  const int64_t B = kv_indptr.numel() - 1, H = q.size(1), D = q.size(2), KVH = k_pool.size(1);
+  TORCH_CHECK(H % KVH == 0 && k_pool.size(2) == D, "head shapes disagree");
+  TORCH_CHECK(qo_indptr.numel() == B + 1, "qo_indptr and kv_indptr disagree");
+  auto out = torch::empty_like(q);
+  auto lse = torch::empty({q.size(0), H}, q.options().dtype(torch::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention",
+                                  [&] {
+    attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(),
+                               v_pool.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
+                               kv_indptr.data_ptr<int64_t>(), qo_indptr.data_ptr<int64_t>(),
+                               out.data_ptr<scalar_t>(), lse.data_ptr<float>(), B, H, KVH, D,
+                               static_cast<float>(scale), window,
+                               static_cast<float>(softcap));
+  });
+  return {out, lse};
+}
+
+// A registered op (torch.ops.flowlang.paged_attention): visible to the profiler, no pybind.
+TORCH_LIBRARY(flowlang, m) {
+  m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, "
+        "Tensor kv_indptr, Tensor qo_indptr, float scale, int window, float softcap) -> "
+        "(Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(flowlang, CPU, m) { m.impl("paged_attention", &paged_attention); }
