@@ -65,11 +65,15 @@ class PhaseTimer:
         att = engine.runner.attention
         self._wrap(att, "forward", "attention")
         self._wrap(att, "plan", "attention plan")
-        if hasattr(att, "_paged"):  # the CPU backend: attention split by kernel
-            self._wrap(att, "_flash", "  attention: flash (prefixes, long extends)")
-            self._wrap(att, "_paged", "  attention: paged kernel (decodes, short extends)")
-            self._wrap(att, "_merge", "  attention: merge halves")
-            self._wrap(att, "gather_kv", "  attention: K/V gathers")
+        parts = {  # the CPU backend's attention by kernel (where the code has them)
+            "_flash": "  attention: flash (prefixes, long extends)",
+            "_paged": "  attention: paged kernel (decodes, short extends)",
+            "_merge": "  attention: merge halves",
+            "gather_kv": "  attention: K/V gathers",
+        }
+        for name, phase in parts.items():
+            if hasattr(att, name):
+                self._wrap(att, name, phase)
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine.scheduler, "_sample", "sampling")
         self._wrap(engine.scheduler, "process", "process (incl. sampling)")

