@@ -1,0 +1,104 @@
+"""The native CPU attention kernels against the torch paths they replace, at W1's shapes.
+
+    python examples/benchmarks/kernel_bench.py [--repeats 5] [--dtypes float32 bfloat16]
+
+SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64), both torch threads:
+- flash, shared prefix: n query rows over a 2,048-token prefix, no mask (cascade attention);
+- flash, causal: a 1,024-token extend attending itself;
+- paged decode: 64 sequences, one new token each over 2,048 cached tokens at scattered slots
+  (native kernel in place vs gather + SDPA, the torch reference path).
+Prints medians (ms) and GFLOP/s (4 * rows * keys * heads * head_dim; causal counts half).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from runtime.model.attention.cascade import causal_attention_with_lse, flash_attention_with_lse
+from runtime.model.native.kernels import load_cpu_kernels
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def flash_rows(kernels, dtype: torch.dtype, repeats: int) -> list[tuple]:
+    rows = []
+    scale = HEAD_DIM**-0.5
+    for label, n, keys, causal in (
+        ("flash, 256 rows over a 2,048-token prefix", 256, 2048, False),
+        ("flash, 1,024 rows over a 2,048-token prefix", 1024, 2048, False),
+        ("flash, causal 1,024-token extend", 1024, 1024, True),
+    ):
+        q = torch.randn(n, HEADS, HEAD_DIM).to(dtype)  # (rows, heads, d)
+        k = torch.randn(keys, KV_HEADS, HEAD_DIM).to(dtype)  # (keys, kv_heads, d)
+        v = torch.randn(keys, KV_HEADS, HEAD_DIM).to(dtype)
+        reference = causal_attention_with_lse if causal else flash_attention_with_lse
+        torch_ms = median_ms(lambda: reference(q, k, v, scale), repeats)  # noqa: B023
+        native_ms = median_ms(
+            lambda: kernels.flash_attention(q, k, v, scale, causal),  # noqa: B023
+            repeats,
+        )
+        flops = 4 * n * keys * HEADS * HEAD_DIM / (2 if causal else 1)
+        rows.append((label, torch_ms, native_ms, flops))
+    return rows
+
+
+def decode_row(kernels, dtype: torch.dtype, repeats: int) -> tuple:
+    num_seqs, context, num_slots = 64, 2048, 160_000
+    pool_k = torch.randn(num_slots, KV_HEADS, HEAD_DIM).to(dtype)  # (slots, kv_heads, d)
+    pool_v = torch.randn(num_slots, KV_HEADS, HEAD_DIM).to(dtype)
+    slots = torch.randperm(num_slots)[: num_seqs * context]  # scattered, as after evictions
+    indptr = torch.arange(0, num_seqs * context + 1, context)
+    qo_indptr = torch.arange(num_seqs + 1)
+    q = torch.randn(num_seqs, HEADS, HEAD_DIM).to(dtype)
+    scale = HEAD_DIM**-0.5
+
+    def native():
+        kernels.paged_attention(q, pool_k, pool_v, slots, indptr, qo_indptr, scale, 0, 0.0)
+
+    def reference():  # gather each sequence's K/V, then SDPA with grouped heads
+        k = pool_k[slots].view(num_seqs, context, KV_HEADS, HEAD_DIM).transpose(1, 2)
+        v = pool_v[slots].view(num_seqs, context, KV_HEADS, HEAD_DIM).transpose(1, 2)
+        F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
+
+    flops = 4 * num_seqs * context * HEADS * HEAD_DIM
+    label = "paged decode, 64 seqs x 2,048 scattered keys"
+    return label, median_ms(reference, repeats), median_ms(native, repeats), flops
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    args = parser.parse_args()
+    kernels = load_cpu_kernels()
+    print(f"torch threads: {torch.get_num_threads()}, medians of {args.repeats}\n")
+    print("| kernel | dtype | torch ms | native ms | torch GFLOP/s | native GFLOP/s | speed-up |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        rows = flash_rows(kernels, dtype, args.repeats) + [decode_row(kernels, dtype, args.repeats)]
+        for label, torch_ms, native_ms, flops in rows:
+            print(
+                f"| {label} | {name} | {torch_ms:.1f} | {native_ms:.1f} | "
+                f"{flops / torch_ms / 1e6:.0f} | {flops / native_ms / 1e6:.0f} | "
+                f"{torch_ms / native_ms:.2f}x |"
+            )
+
+
+if __name__ == "__main__":
+    main()
