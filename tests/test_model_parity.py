@@ -204,3 +204,36 @@ def test_unknown_backend_and_flashinfer_on_cpu():
         ModelRunner(arch, hf.state_dict(), 64, EngineConfig(attention_backend="triton"))
     with pytest.raises(ValueError, match="needs a CUDA device"):
         ModelRunner(arch, hf.state_dict(), 64, EngineConfig(attention_backend="flashinfer"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_kernel_split_by_kv_head_changes_nothing(dtype):
+    """A lone decode is split across threads by KV head; in a large batch it is one task. The
+    two must agree bit for bit (each head's arithmetic is the same either way)."""
+    from runtime.model.native.kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    gen = torch.Generator().manual_seed(1)
+    num_seqs, kv_len = 40, 300
+    k_pool, v_pool = torch.randn(2, 20_000, 3, 64, generator=gen).to(dtype)
+    q = torch.randn(num_seqs, 9, 64, generator=gen).to(dtype)
+    slots = torch.randperm(20_000, generator=gen)[: num_seqs * kv_len]
+    kv_indptr = torch.arange(0, num_seqs * kv_len + 1, kv_len)
+    qo_indptr = torch.arange(num_seqs + 1)
+    batch, batch_lse = kernels.paged_attention(
+        q, k_pool, v_pool, slots, kv_indptr, qo_indptr, 0.125, 0, 0.0
+    )
+    for b in (0, 17, 39):
+        one, one_lse = kernels.paged_attention(
+            q[b : b + 1].contiguous(),
+            k_pool,
+            v_pool,
+            slots[b * kv_len : (b + 1) * kv_len],
+            torch.tensor([0, kv_len]),
+            torch.tensor([0, 1]),
+            0.125,
+            0,
+            0.0,
+        )
+        assert torch.equal(one[0], batch[b])
+        assert torch.equal(one_lse[0], batch_lse[b])

@@ -75,7 +75,7 @@ template <typename scalar_t>
 void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_pool,
                 const int64_t* seq, int64_t L, scalar_t* out, float* lse, int64_t H,
                 int64_t KVH, int64_t D, float scale, std::vector<float>& scores,
-                std::vector<float>& acc) {
+                std::vector<float>& acc, int64_t hk0, int64_t hk1) {
   using namespace flowlang_avx512;
   const int64_t G = H / KVH, row = KVH * D, L_pad = (L + 15) / 16 * 16;
   constexpr float kLog2e = 1.4426950408889634f;
@@ -83,7 +83,7 @@ void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_poo
   acc.assign(H * D, 0.f);
   alignas(64) float qf[kMaxGroup * 256], buf[16 * 256];
   const float* ptrs[16];
-  for (int64_t hk = 0; hk < KVH; ++hk) {
+  for (int64_t hk = hk0; hk < hk1; ++hk) {
     for (int64_t i = 0; i < G * D; ++i)  // scores kept in base 2: exp2 below
       qf[i] = static_cast<float>(q[hk * G * D + i]) * scale * kLog2e;
     // scores[h][j] = q_h · k_j
@@ -105,7 +105,7 @@ void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_poo
     }
   }
   // softmax per head, in place: scores become probabilities
-  for (int64_t h = 0; h < H; ++h) {
+  for (int64_t h = hk0 * G; h < hk1 * G; ++h) {
     float* s = &scores[h * L_pad];
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < L_pad; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
@@ -122,7 +122,7 @@ void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_poo
     for (int64_t j = 0; j < L_pad; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
   }
   // acc[h] = Σ_j p[h][j] v_j, 16 keys at a time
-  for (int64_t hk = 0; hk < KVH; ++hk) {
+  for (int64_t hk = hk0; hk < hk1; ++hk) {
     for (int64_t j0 = 0; j0 < L; j0 += 16) {
       const int64_t count = key_block(v_pool, seq, j0, L, hk, row, D, buf, ptrs);
       for (int64_t g = 0; g < G; ++g) {
@@ -137,7 +137,7 @@ void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_poo
       }
     }
   }
-  for (int64_t i = 0; i < H * D; ++i) out[i] = static_cast<scalar_t>(acc[i]);
+  for (int64_t i = hk0 * G * D; i < hk1 * G * D; ++i) out[i] = static_cast<scalar_t>(acc[i]);
 }
 #endif
 
@@ -150,7 +150,7 @@ template <int ND>
 void decode_one_bf16(const at::BFloat16* q, const at::BFloat16* k_pool,
                      const at::BFloat16* v_pool, const int64_t* seq, int64_t L,
                      at::BFloat16* out, float* lse, int64_t H, int64_t KVH, float scale,
-                     std::vector<float>& scores, std::vector<float>& acc) {
+                     std::vector<float>& scores, std::vector<float>& acc, int64_t hk0, int64_t hk1) {
   using namespace flowlang_avx512;
   constexpr int64_t D = 16 * ND, NZ = ND / 2;  // NZ zmm of 32 bf16 per row
   constexpr float kLog2e = 1.4426950408889634f;
@@ -158,7 +158,7 @@ void decode_one_bf16(const at::BFloat16* q, const at::BFloat16* k_pool,
   scores.resize(H * L_pad);
   acc.resize(H * L_pad / 2);  // the probabilities as bf16 pairs
   const __m512 factor = _mm512_set1_ps(scale * kLog2e);  // scores in base 2: exp2 below
-  for (int64_t hk = 0; hk < KVH; ++hk) {
+  for (int64_t hk = hk0; hk < hk1; ++hk) {
     const uint16_t* qh = reinterpret_cast<const uint16_t*>(q) + hk * G * D;
     for (int64_t j0 = 0; j0 < L; j0 += 16) {
       const int64_t count = std::min<int64_t>(16, L - j0);
@@ -190,7 +190,7 @@ void decode_one_bf16(const at::BFloat16* q, const at::BFloat16* k_pool,
   }
   // softmax per head; probabilities normalized, then rounded to bf16 pairs
   uint16_t* probs = reinterpret_cast<uint16_t*>(acc.data());
-  for (int64_t h = 0; h < H; ++h) {
+  for (int64_t h = hk0 * G; h < hk1 * G; ++h) {
     float* s = &scores[h * L_pad];
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < L_pad; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
@@ -216,7 +216,7 @@ void decode_one_bf16(const at::BFloat16* q, const at::BFloat16* k_pool,
                                           1, 32, 0);
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
   alignas(64) uint32_t pairs[8 * D];  // 8 key pairs: lane d holds (v_2t[d], v_2t+1[d])
-  for (int64_t hk = 0; hk < KVH; ++hk) {
+  for (int64_t hk = hk0; hk < hk1; ++hk) {
     __m512 sums[kMaxGroup][ND];
     for (int64_t g = 0; g < G; ++g)
       for (int c = 0; c < ND; ++c) sums[g][c] = _mm512_setzero_ps();
@@ -268,11 +268,16 @@ void attention_kernel(
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;  // one slot's K (or V) for all kv heads: contiguous
   // One task per sequence: each K/V row is read once, whole, for every head and query row.
+  // With fewer sequences than a few per thread, a single-row decode is split by KV head too
+  // (its heads are independent), so that one sequence still keeps every core busy.
   // Query row r of a sequence with L keys and n queries sits at position L - n + r and
   // attends to keys [max(0, pos - window + 1), pos].
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  const int64_t parts = B < 4 * at::get_num_threads() ? KVH : 1;
+  at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, acc, scores, rowf(row);
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / parts, part = task % parts;
+      const int64_t hk0 = parts == 1 ? 0 : part, hk1 = parts == 1 ? KVH : part + 1;
       const int64_t n = qo_indptr[b + 1] - qo_indptr[b];
       const int64_t L = kv_indptr[b + 1] - kv_indptr[b];
       const int64_t* seq = slots + kv_indptr[b];
@@ -287,18 +292,19 @@ void attention_kernel(
           if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
             if (D == 64 || D == 128) {
               if (D == 64)
-                decode_one_bf16<4>(qb, k_pool, v_pool, seq, L, ob, lb, H, KVH, scale, scores, acc);
+                decode_one_bf16<4>(qb, k_pool, v_pool, seq, L, ob, lb, H, KVH, scale, scores, acc, hk0, hk1);
               else
-                decode_one_bf16<8>(qb, k_pool, v_pool, seq, L, ob, lb, H, KVH, scale, scores, acc);
+                decode_one_bf16<8>(qb, k_pool, v_pool, seq, L, ob, lb, H, KVH, scale, scores, acc, hk0, hk1);
               continue;
             }
           }
 #endif
-          decode_one(qb, k_pool, v_pool, seq, L, ob, lb, H, KVH, D, scale, scores, acc);
+          decode_one(qb, k_pool, v_pool, seq, L, ob, lb, H, KVH, D, scale, scores, acc, hk0, hk1);
           continue;
         }
       }
 #endif
+      if (part != 0) continue;  // the general path below runs once per sequence, every head
       const int64_t lo = window > 0 ? std::max<int64_t>(0, L - n - window + 1) : 0;
       const int64_t span = L - lo;  // keys any row of this sequence may see
       qf.resize(n * H * D);
