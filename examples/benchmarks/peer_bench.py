@@ -9,8 +9,8 @@ interleaved (the order alternates per repeat), both cores for each (vLLM with
 VLLM_CPU_OMP_THREADS_BIND=0-1). Greedy. Prints medians over repeats, the ratio flowlang / vLLM,
 and how many greedy outputs agree. `--profile` adds flowlang's per-round time breakdown
 (attention, GEMMs, norms, RoPE, sampling, scheduling). The vLLM worker runs in vLLM's own venv:
-it imports only the standard library, transformers, vllm and conversations.py. `--baseline DIR`
-(a checkout of an older commit) adds that code's engine, "flowlang (before)", once per dtype.
+it imports only the standard library, transformers, vllm, conversations.py and side_by_side.py.
+`--baseline DIR` (a checkout of an older commit) adds that code's engine, "flowlang (before)", once per dtype.
 """
 
 from __future__ import annotations
@@ -18,15 +18,14 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from conversations import Conversation, next_prompt
+from side_by_side import add_worker_args, run_worker
 
 KV_TOKENS = 80_000  # W1 64 x 3 peaks near 45k slots; both engines get room for all of it
 
@@ -163,21 +162,6 @@ def vllm_worker(spec: dict, dtype: str) -> dict:
     return drive_rounds(tokenizer, convs, generate)
 
 
-def run_worker(
-    python: str, engine: str, spec_path: Path, dtype: str, profile: bool, code: Path | None
-) -> dict:
-    out_path = spec_path.with_name(f"{engine}-{dtype}-{time.monotonic_ns()}.json")
-    env = dict(os.environ)
-    env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="4")
-    if code is not None:  # the runtime imported from another checkout
-        env["PYTHONPATH"] = str(code)
-    worker = "flowlang" if engine.startswith("flowlang") else engine
-    cmd = [python, __file__, "--worker", worker, "--spec", str(spec_path), "--dtype", dtype]
-    cmd += ["--out", str(out_path)] + (["--profile"] if profile else [])
-    subprocess.run(cmd, check=True, env=env, cwd=Path(__file__).resolve().parents[2])
-    return json.loads(out_path.read_text())
-
-
 def w1_spec(num_users: int) -> dict:
     from programs import support_agent
     from runtime.model.loader import load_tokenizer
@@ -248,10 +232,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--baseline", type=Path, help="a checkout whose engine runs as 'before'")
-    parser.add_argument("--worker", choices=["flowlang", "vllm"], help=argparse.SUPPRESS)
-    parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--dtype", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    add_worker_args(parser)
     args = parser.parse_args()
     if args.worker:
         spec = json.loads(args.spec.read_text())
@@ -275,7 +256,11 @@ def main() -> None:
             for engine in order:
                 code = args.baseline if engine == "flowlang (before)" else None
                 python = engines.get(engine, sys.executable)
-                record = run_worker(python, engine, spec_path, dtype, args.profile, code)
+                worker = "flowlang" if engine.startswith("flowlang") else engine
+                extra = ("--profile",) if args.profile else ()
+                record = run_worker(
+                    __file__, python, engine, worker, spec_path, dtype, extra, pythonpath=code
+                )
                 runs[engine, dtype].append(record)
                 walls = " / ".join(f"{r['wall_s']:.1f}" for r in record["rounds"])
                 print(f"[repeat {repeat + 1}] {engine} {dtype}: rounds {walls} s", flush=True)
