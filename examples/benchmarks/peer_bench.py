@@ -10,7 +10,8 @@ VLLM_CPU_OMP_THREADS_BIND=0-1). Greedy. Prints medians over repeats, the ratio f
 and how many greedy outputs agree. `--profile` adds flowlang's per-round time breakdown
 (attention, GEMMs, norms, RoPE, sampling, scheduling). The vLLM worker runs in vLLM's own venv:
 it imports only the standard library, transformers, vllm, conversations.py and side_by_side.py.
-`--baseline DIR` (a checkout of an older commit) adds that code's engine, "flowlang (before)", once per dtype.
+`--baseline DIR` (a checkout of an older commit) adds that code's engine, "flowlang (before)",
+once per dtype.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ One interface, three implementations, chosen by `pointwise_ops(device, arch)`:
   fp32 with the normalized activations cast back before the weight multiplies; Gemma-style
   norms (`gemma_norms`, weights held as 1 + w in fp32) multiply in fp32 and cast after; the
   gated MLP's activation is SiLU or tanh-GELU;
-- `NativeCpuOps` on CPU for Llama-style norms: one native pass per norm, same numerics;
+- `NativeCpuOps` on CPU for Llama-style norms: one native pass per norm, RoPE and SiLU-and-mul,
+  same numerics;
 - `FlashInferOps` on CUDA where flashinfer is installed: one fused kernel per op. In eager
   PyTorch each of these is 5-10 elementwise kernels, so a decode step of a 32-layer model is
   over a thousand launches, which even a CUDA graph pays for one by one (about 2 us each).

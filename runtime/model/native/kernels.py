@@ -1,5 +1,5 @@
-"""The native CPU kernels (csrc/: paged and flash attention, RMSNorm), compiled on first use,
-cached.
+"""The native CPU kernels (csrc/: paged and flash attention, the cascade merge, norms, RoPE,
+SiLU-and-mul), compiled on first use, cached.
 
 torch.utils.cpp_extension builds it with the machine's compiler (-O3 -march=native, OpenMP
 through ATen's parallel_for) into torch's extension cache; later processes load it in
@@ -32,7 +32,8 @@ def load_cpu_kernels() -> Any:
     scale, window, softcap)` (softcap 0 leaves the scores uncapped), and
     `flash_attention(q, k, v, scale, causal)` (bf16, fp32) where `native_flash_supported()`,
     `merge_attention(out_a, lse_a, out_b, lse_b)`, and
-    `rms_norm(x, weight, eps)`, `add_rms_norm(x, residual, weight, eps)`."""
+    `rms_norm(x, weight, eps)`, `add_rms_norm(x, residual, weight, eps)`,
+    `rope(x, cos, sin)` and `silu_and_mul(gate_up)`."""
     import torch
     from torch.utils.cpp_extension import load
 
