@@ -230,8 +230,9 @@ class StreamExecutor:
         else:
             raise ProgramError(f"unknown node {node!r}")
 
-    def _hints(self) -> GraphHints:
+    def _hints(self, next_turn_after_s: float | None = None) -> GraphHints:
         group_id, group_size = self.fork_group or (None, None)
+        continuation = self._num_queued_requests > 1
         return GraphHints(
             program_id=self.ctx.program_id,
             branch_id=self.branch_id,
@@ -240,7 +241,8 @@ class StreamExecutor:
             priority=self.ctx.priority,
             # another request of this state is queued behind the running one: it will extend
             # this sequence (trailing text such as a role's end is no request: no continuation)
-            continuation=self._num_queued_requests > 1,
+            continuation=continuation,
+            next_turn_after_s=next_turn_after_s if continuation else None,
         )
 
     def _params(self, node: Gen) -> SamplingParams:
@@ -260,7 +262,7 @@ class StreamExecutor:
             input_ids=list(self.content.ids),
             sampling=self._params(node),
             constraint=node.constraint,
-            hints=self._hints(),
+            hints=self._hints(node.next_turn_after_s),
             namespace=self.ctx.namespace,
         )
         handle = self.ctx.backend.generate(request)

@@ -76,6 +76,7 @@ class Gen(_Joinable):
     constraint: Constraint | None = None
     parse: Callable[[str], Any] | None = None  # text -> the value s[name] holds (typed gens)
     parse_label: str = ""  # what `parse` produces, for error messages
+    next_turn_after_s: float | None = None  # declared delay before this state's next request
 
 
 @dataclass(frozen=True)

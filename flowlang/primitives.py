@@ -25,6 +25,7 @@ def gen(
     schema: type | dict | None = None,
     choices: Sequence[str] | None = None,
     grammar: str | None = None,
+    next_turn_after_s: float | None = None,
     **sampling: Any,
 ) -> Gen:
     """Generate into variable `name`; keyword arguments are SamplingParams fields.
@@ -32,11 +33,15 @@ def gen(
     Without a name (SGLang's form) the text is appended to the state but kept in no variable.
     Constrain the text with one of `regex`, `schema` (a pydantic model class: s[name] is then a
     validated instance; or a JSON-schema dict: a parsed dict), `choices` or an EBNF `grammar`.
+    `next_turn_after_s`: the program's next request on this state comes about this long after
+    this one finishes (a tool call, a user's reply); the engine keeps sooner returns cached.
 
     >>> gen("answer", max_new_tokens=32, stop="\\n").params.max_new_tokens
     32
     """
     _check_name(name)
+    if next_turn_after_s is not None and not next_turn_after_s >= 0:
+        raise ProgramError(f"gen({name!r}): next_turn_after_s must be >= 0 seconds")
     try:
         params = SamplingParams(**sampling)
     except ValueError as err:
@@ -54,7 +59,7 @@ def gen(
     if len(given) > 1:
         raise ProgramError(f"gen({name!r}) takes one constraint, got {sorted(given)}")
     if not given:
-        return Gen(name, params)
+        return Gen(name, params, next_turn_after_s=next_turn_after_s)
     kind, value = next(iter(given.items()))
     parse, label = None, ""
     if kind == "regex":
@@ -71,19 +76,19 @@ def gen(
         constraint = Constraint(choices=list(value))
     else:
         constraint = Constraint(grammar=value)
-    return Gen(name, params, constraint, parse, label)
+    return Gen(name, params, constraint, parse, label, next_turn_after_s)
 
 
 def gen_int(name: str | None = None, **sampling: Any) -> Gen:
     """Generate an integer; s[name] is an int."""
     node = gen(name, regex=INT_REGEX, **sampling)
-    return Gen(node.name, node.params, node.constraint, int, "int")
+    return Gen(node.name, node.params, node.constraint, int, "int", node.next_turn_after_s)
 
 
 def gen_float(name: str | None = None, **sampling: Any) -> Gen:
     """Generate a decimal number; s[name] is a float."""
     node = gen(name, regex=FLOAT_REGEX, **sampling)
-    return Gen(node.name, node.params, node.constraint, float, "float")
+    return Gen(node.name, node.params, node.constraint, float, "float", node.next_turn_after_s)
 
 
 def _schema_constraint(name: str, schema: Any):

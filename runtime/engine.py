@@ -264,6 +264,11 @@ class Engine:
             )
         self._call_in_loop(lambda: self.scheduler.kv.marks.load(trace))
 
+    def set_eviction_clock(self, clock: Callable[[], float]) -> None:
+        """Benchmarks only: the clock (seconds) that times when paused program branches are
+        expected back (`GraphHints.next_turn_after_s`), for runs on a simulated clock."""
+        self._call_in_loop(lambda: setattr(self.scheduler.kv, "clock", clock))
+
     def check_integrity(self) -> None:
         """Assert tree, allocator and scheduler invariants (between steps)."""
         self._call_in_loop(self.scheduler.check_integrity)

@@ -150,6 +150,13 @@ class GraphHints(_Frozen):
     continuation: bool = Field(
         False, description="the program has more work that extends this request's sequence"
     )
+    next_turn_after_s: float | None = Field(
+        None,
+        ge=0,
+        description="with continuation: the next request extending this sequence is expected "
+        "this many seconds after this one finishes (a tool call's latency, a user's think "
+        "time); the graph eviction policy keeps sooner returns longer. Unset: right away",
+    )
 
 
 class GenerateRequest(_Frozen):

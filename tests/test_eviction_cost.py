@@ -32,7 +32,7 @@ def _leaf(cache: RadixCache, marks: GraphMarks, index: int) -> None:
     match = cache.match_prefix(ids)
     slots = torch.cat([match.indices, cache.allocator.alloc(len(ids) - match.prefix_len)])
     done = cache.insert(ids, slots)
-    marks.mark_continuation(done.position, step=index)
+    marks.mark_continuation(done.position, return_s=float(index))
 
 
 def eviction_cost(num_leaves: int) -> tuple[float, float]:

@@ -86,3 +86,37 @@ def test_oracle_needs_its_policy():
     with Engine(EngineConfig(model="random:tiny", max_kv_tokens=64)) as engine:
         with pytest.raises(InvalidRequestError, match="eviction_policy='oracle'"):
             engine.load_eviction_oracle([])
+
+
+def _kept_after_pressure(declared_a_s: float | None) -> tuple[int, int]:
+    """Conversations A then B pause (A first); a request with no future then needs room for a
+    part of one of them. Returns how many tokens of A's and of B's next turn were cached."""
+    rng = random.Random(1)
+    a, b, c = ([rng.randrange(3, 500) for _ in range(n)] for n in (100, 100, 150))
+    sampling = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    config = EngineConfig(model="random:tiny", max_kv_tokens=300, eviction_policy="graph")
+    with Engine(config) as engine:
+        replies = []
+        for prompt, after_s in ((a, declared_a_s), (b, None)):
+            hints = GraphHints(continuation=True, next_turn_after_s=after_s)
+            request = GenerateRequest(input_ids=prompt, sampling=sampling, hints=hints)
+            replies.append(list(engine.generate([request])[0].output_ids))
+        engine.generate([GenerateRequest(input_ids=c, sampling=sampling)])
+        assert engine.stats()["evicted_tokens_total"] > 0
+        cached = []
+        for prompt, reply in zip((a, b), replies, strict=True):
+            follow_up = GenerateRequest(input_ids=prompt + reply + [7] * 4, sampling=sampling)
+            cached.append(engine.generate([follow_up])[0].cached_tokens)
+            engine.check_integrity()
+        return cached[0], cached[1]
+
+
+def test_a_declared_return_time_decides_which_paused_branch_is_kept():
+    """Without hints the branch that paused first is expected back first and stays whole; when
+    it declares that it returns in an hour, the other one stays whole instead. Either way only
+    the tail eviction needs is taken from the victim."""
+    whole = 100 + 8 - 1  # prompt + reply; the last reply token was sampled, never computed
+    a_kept, b_trimmed = _kept_after_pressure(None)
+    assert a_kept == whole and 0 < b_trimmed < whole
+    a_trimmed, b_kept = _kept_after_pressure(3600.0)
+    assert b_kept == whole and 0 < a_trimmed < whole

@@ -7,8 +7,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+import pytest
+
 from flowlang import assistant, gen, program, user
 from flowlang.backends.mock import MockBackend
+from flowlang.errors import ProgramError
 
 
 @dataclass
@@ -49,3 +52,24 @@ def test_a_gen_followed_by_text_only_is_no_continuation():
     backend = GatedBackend()
     one_question.run(backend.body_done, backend=backend)
     assert [r.hints.continuation for r in backend.requests] == [False]
+
+
+@program
+def agent(s, body_done):
+    s += user("Look the order up.")
+    s += assistant(gen("plan", max_new_tokens=4, next_turn_after_s=2.5))  # a tool call next
+    s += user("The tool says: shipped.")
+    s += assistant(gen("answer", max_new_tokens=4, next_turn_after_s=9.0))  # nothing follows
+    body_done.set()
+
+
+def test_a_gen_declares_when_its_state_comes_back_only_while_work_remains():
+    backend = GatedBackend()
+    agent.run(backend.body_done, backend=backend)
+    assert [r.hints.next_turn_after_s for r in backend.requests] == [2.5, None]
+    assert [r.hints.continuation for r in backend.requests] == [True, False]
+
+
+def test_a_negative_declared_delay_is_refused_by_name():
+    with pytest.raises(ProgramError, match="next_turn_after_s"):
+        gen("x", next_turn_after_s=-1)

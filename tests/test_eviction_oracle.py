@@ -115,3 +115,23 @@ def test_graph_with_every_read_queued_evicts_like_the_oracle(sequences, data):
     oracle_order = _evict_order(oracle, lambda: None)
     assert graph_order == oracle_order
     assert graph.total_size == oracle.total_size == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(sequence, min_size=1, max_size=10, unique=True), st.data())
+def test_graph_told_when_paused_branches_return_evicts_like_the_oracle(sequences, data):
+    """Every sequence is a paused branch that declared when it returns (next_turn_after_s):
+    the graph policy then knows the order of the future reads, and takes the oracle's victims
+    in the oracle's order."""
+    returns = data.draw(st.permutations(range(len(sequences))))  # distinct return times
+    reads = [ids for _, ids in sorted(zip(returns, sequences, strict=True))]
+    graph, oracle = _tree("graph", sequences), _tree("oracle", sequences, reads)
+    marks = GraphMarks(graph)
+    for ids, return_s in zip(sequences, returns, strict=True):
+        position = graph.match_prefix(ids).position
+        graph.lock(position)  # as a running request's: its edge ends exactly there
+        graph.unlock(position)
+        marks.mark_continuation(position, float(return_s))
+        graph.check_integrity()
+    assert _evict_order(graph, lambda: None) == _evict_order(oracle, lambda: None)
+    assert graph.total_size == oracle.total_size == 0

@@ -130,7 +130,9 @@ def test_a_tree_picture_shows_sizes_states_pins_and_eviction_order():
                       (3, "pinned")]  # fmt: skip
     ranked = sorted((n for n in view.nodes() if n.evict_rank), key=lambda n: n.evict_rank)
     first = ranked[0]
-    assert cache.evict(1) == first.num_tokens  # rank 1 is what eviction takes first
+    assert cache.evict(first.num_tokens) == first.num_tokens  # rank 1 is what goes first
+    after = build_cache_view(cache, {"pin-a": pin}, render=lambda ids: "-".join(map(str, ids)))
+    assert first.label not in {n.label for n in after.nodes()}
     assert view.pins[0].pin_id == "pin-a" and view.pins[0].num_tokens == 3
     root = parse(view.to_svg())
     assert "3 tok \u00b7 r=2" in texts(root, "tokens")  # the pin and the running request

@@ -122,6 +122,28 @@ def test_eviction_is_leaf_first_and_cascades_up_a_dead_branch():
     cache.check_integrity(num_caller_slots=0)
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_eviction_takes_only_the_tail_it_needs_and_the_head_stays_cached(page_size):
+    cache = make_cache(page_size=page_size)
+    long = list(range(1, 8 * page_size + 1))  # one leaf of 8 pages
+    cache_sequence(cache, long)
+    cache_sequence(cache, [99] * page_size)
+    last = cache.match_prefix([99] * page_size).position
+    cache.lock(last)
+    cache.unlock(last)  # the long leaf is now least recently used
+    free_before = cache.allocator.num_free_slots
+    assert cache.evict(page_size + 1) == 2 * page_size, "two pages, not the whole leaf"
+    assert cache.allocator.num_free_slots == free_before + 2 * page_size
+    assert cache.match_prefix(long).prefix_len == 6 * page_size, "the head is still cached"
+    assert cache.match_prefix([99] * page_size).prefix_len == page_size, "the other leaf stays"
+    cache.check_integrity(num_caller_slots=0)
+    assert cache.evict(1) == page_size, "the same leaf's tail goes next"
+    assert cache.match_prefix(long).prefix_len == 5 * page_size
+    assert cache.evict(cache.total_size) == 6 * page_size
+    assert cache.total_size == 0
+    cache.check_integrity(num_caller_slots=0)
+
+
 def test_insert_reusing_the_trees_own_slots_dedups():
     cache = make_cache()
     cache_sequence(cache, [1, 2, 3])
@@ -227,7 +249,7 @@ def test_eviction_order_per_policy(policy):
     order = ""
     while cache.total_size:
         before = {n for n, seq in leaves.items() if cache.match_prefix(seq).prefix_len}
-        assert cache.evict(1) == 2
+        assert cache.evict(2) == 2
         after = {n for n, seq in leaves.items() if cache.match_prefix(seq).prefix_len}
         (gone,) = before - after
         order += gone

@@ -138,7 +138,8 @@ class RadixMachine(RuleBasedStateMachine):
         num_evicted = self.cache.evict(num_tokens)
         removed = self.sync_after_evict()
         assert num_evicted == removed
-        assert num_evicted >= min(num_tokens, evictable), "stopped early"
+        wanted = -(-num_tokens // self.ps) * self.ps  # whole pages
+        assert num_evicted == min(wanted, evictable), "evicted more than asked, or stopped early"
 
     # ------------------------------------------------------------ checks
     def sync_after_evict(self) -> int:

@@ -280,6 +280,16 @@ def test_unknown_pin_id_is_404(client):
         assert response.json()["error"]["message"] == "no pin 'pin-nope' held by this client"
 
 
+def test_a_declared_return_time_travels_over_http_and_a_negative_one_is_refused(client):
+    body = {"input_ids": list(range(20, 60)), "sampling": {"max_new_tokens": 2}}
+    told = {"continuation": True, "next_turn_after_s": 12.5}
+    done = client.post("/v1/flowlang/generate", json={**body, "hints": told})
+    assert done.status_code == 200, done.text
+    bad = client.post("/v1/flowlang/generate", json={**body, "hints": {"next_turn_after_s": -1}})
+    assert bad.status_code in (400, 422), bad.text
+    assert "next_turn_after_s" in bad.text
+
+
 def test_request_size_limit(tiny_model_dir):
     engine = Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=4096))
     thread = ServerThread(engine, max_body_bytes=1000)

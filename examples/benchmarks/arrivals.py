@@ -10,6 +10,10 @@ when each request reaches the engine.
 A wave is released when all of its requests exist (their programs reached them) and goes to the
 engine in one command (`Engine.submit_many`); the next wave waits until it has finished. So the
 admission order, and with greedy decoding every counter, is the same in every run.
+
+Told think times: a client that knows when it will be back (a tool call's latency, a scheduled
+job) can say so in `GraphHints.next_turn_after_s`. `think_hints` computes what such clients
+would declare, and the backend runs the engine's eviction clock on the simulated one.
 """
 
 from __future__ import annotations
@@ -32,27 +36,53 @@ def rounds_schedule(num_users: int, num_turns: int) -> list[list[Turn]]:
     return [[(user, turn) for user in range(num_users)] for turn in range(num_turns)]
 
 
-def interleaved_schedule(
+def interleaved_arrivals(
     num_users: int, num_turns: int, wave_size: int, seed: int = 0, think_jitter: float = 0.5
-) -> list[list[Turn]]:
-    """Random arrivals over about one cycle, think times of 1 +- `think_jitter` cycles (a cycle
-    is `num_users / wave_size` turn durations), cut into waves of distinct users. With no
-    jitter a user's return order is its pause order; with jitter only a recording knows it."""
+) -> dict[Turn, float]:
+    """When each turn arrives on the simulated clock (one turn takes one unit): users arrive at
+    random over about one cycle and think 1 +- `think_jitter` cycles between turns (a cycle
+    is `num_users / wave_size` turn durations)."""
     rng = random.Random(seed)
     cycle = num_users / wave_size
-    events = []
+    arrivals: dict[Turn, float] = {}
     for user in range(num_users):
         time = rng.uniform(0, cycle)
         for turn in range(num_turns):
-            events.append((time, user, turn))
+            arrivals[(user, turn)] = time
             time += 1 + (1 + rng.uniform(-think_jitter, think_jitter)) * cycle
-    events.sort()
+    return arrivals
+
+
+def interleaved_schedule(
+    num_users: int, num_turns: int, wave_size: int, seed: int = 0, think_jitter: float = 0.5
+) -> list[list[Turn]]:
+    """The arrivals in time order, cut into waves of distinct users. With no jitter a user's
+    return order is its pause order; with jitter only a recording (or the user) knows it."""
+    arrivals = interleaved_arrivals(num_users, num_turns, wave_size, seed, think_jitter)
     waves: list[list[Turn]] = [[]]
-    for _, user, turn in events:
+    for (user, turn), _ in sorted(arrivals.items(), key=lambda item: (item[1], item[0])):
         if len(waves[-1]) == wave_size or any(u == user for u, _ in waves[-1]):
             waves.append([])
         waves[-1].append((user, turn))
     return waves
+
+
+def think_hints(
+    schedule: list[list[Turn]], arrivals: dict[Turn, float]
+) -> tuple[list[float], dict[Turn, float]]:
+    """The simulated clock at each wave's release (its last arrival), and for every turn with a
+    next one, how long after its wave's release that next turn arrives: what a client that
+    knows its think time declares as `next_turn_after_s`."""
+    wave_times, wave_of = [], {}
+    for index, wave in enumerate(schedule):
+        wave_times.append(max(arrivals[t] for t in wave))
+        wave_of.update({t: index for t in wave})
+    hints = {
+        (user, turn): max(0.0, arrivals[(user, turn + 1)] - wave_times[wave_of[(user, turn)]])
+        for (user, turn) in arrivals
+        if (user, turn + 1) in arrivals
+    }
+    return wave_times, hints
 
 
 class _Pending:
@@ -73,7 +103,8 @@ class PacedBackend(Backend):
     """A LocalBackend whose generate requests reach the engine in a fixed schedule of waves.
 
     Instances are told apart by their first prompt (`first_prompts[i]` is instance i's), turns
-    by counting each program run's requests.
+    by counting each program run's requests. With `wave_times` and `hints` (think_hints), each
+    continuation declares its think time and `clock` is the simulated time of the running wave.
     """
 
     def __init__(
@@ -81,8 +112,13 @@ class PacedBackend(Backend):
         inner: LocalBackend,
         first_prompts: Sequence[Sequence[int]],
         schedule: list[list[Turn]],
+        wave_times: Sequence[float] | None = None,
+        hints: dict[Turn, float] | None = None,
     ) -> None:
         self.inner = inner
+        self._wave_times = wave_times
+        self._hints = hints or {}
+        self.now = 0.0
         self.chat_format = inner.chat_format
         self._instance_of_prompt = {tuple(p): i for i, p in enumerate(first_prompts)}
         if len(self._instance_of_prompt) != len(first_prompts):
@@ -115,14 +151,24 @@ class PacedBackend(Backend):
                 self._instance_of_run[run] = self._instance_of_prompt[tuple(request.input_ids)]
             turn = self._num_turns.get(run, 0)
             self._num_turns[run] = turn + 1
-            self._pending[(self._instance_of_run[run], turn)] = pending
+            key = (self._instance_of_run[run], turn)
+            if request.hints.continuation and key in self._hints:
+                hints = request.hints.model_copy(update={"next_turn_after_s": self._hints[key]})
+                pending.request = request.model_copy(update={"hints": hints})
+            self._pending[key] = pending
             if self._failure is not None:
                 pending.handle.set_exception(RuntimeError(self._failure))
             self._arrived.notify_all()
         return pending
 
+    def clock(self) -> float:
+        """The simulated time: the running wave's release (for `Engine.set_eviction_clock`)."""
+        return self.now
+
     def _release(self) -> None:
-        for wave in self._schedule:
+        for index, wave in enumerate(self._schedule):
+            if self._wave_times is not None:
+                self.now = self._wave_times[index]  # the previous wave has finished
             with self._arrived:
                 if not self._arrived.wait_for(
                     lambda w=wave: all(t in self._pending for t in w), timeout=STALL_S

@@ -12,7 +12,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from arrivals import PacedBackend, interleaved_schedule, rounds_schedule
+from arrivals import (
+    PacedBackend,
+    interleaved_arrivals,
+    interleaved_schedule,
+    rounds_schedule,
+    think_hints,
+)
 
 from flowlang.backends.local import LocalBackend
 from programs import multi_turn_chat, support_agent
@@ -108,8 +114,10 @@ def run_cell(
     policy: str,
     future: list[tuple] | None = None,
     think_jitter: float = THINK_JITTER,
+    told_think_times: bool = False,
 ) -> CellResult:
-    """Run the workload's batch in `order` with a `capacity`-slot pool under `policy`."""
+    """Run the workload's batch in `order` with a `capacity`-slot pool under `policy`; with
+    `told_think_times` (interleaved), every continuation declares when its next turn comes."""
     config = EngineConfig(
         model=model,
         max_kv_tokens=capacity,
@@ -125,7 +133,18 @@ def run_cell(
         local = LocalBackend(engine)
         graphs = [workload.program.compile(backend=local, **args) for args in workload.batch]
         firsts = [g.first_prompt() for g in graphs]
-        backend = PacedBackend(local, firsts, schedule_of(workload, order, think_jitter))
+        schedule = schedule_of(workload, order, think_jitter)
+        wave_times = hints = None
+        if told_think_times:
+            if order != "interleaved":
+                raise ValueError("think times are told only in the interleaved order")
+            arrivals = interleaved_arrivals(
+                workload.num_users, workload.num_turns, WAVE_SIZE, think_jitter=think_jitter
+            )
+            wave_times, hints = think_hints(schedule, arrivals)
+        backend = PacedBackend(local, firsts, schedule, wave_times, hints)
+        if told_think_times:
+            engine.set_eviction_clock(backend.clock)
         start = time.perf_counter()
         states = workload.program.run_batch(
             workload.batch, backend=backend, progress=False, sampling=REPLY_SAMPLING

@@ -13,8 +13,9 @@ Part 1, per workload, one run each, greedy, fp32:
                 forward pass each.
 Part 2 (issue 13): W1 and W6 through programs in two arrival orders (rounds; interleaved with
 think time: arrivals.py), KV pools at 25% and 50% of the working set: prefill computed and token
-hit rate under lru, slru, lfu, graph and the oracle (farthest recorded next use, oracle.py), on a
-tiny random-weight model with the real tokenizer unless --eviction-model says otherwise.
+hit rate under lru, slru, lfu, graph, graph with clients that tell their think times
+(`next_turn_after_s`; interleaved only) and the oracle (farthest recorded next use, oracle.py),
+on a tiny random-weight model with the real tokenizer unless --eviction-model says otherwise.
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def part1(skip_hf: bool, scale: dict[str, int]) -> None:
             )
 
 
-EVICTION_POLICIES = ("lru", "slru", "lfu", "graph", "oracle")
+EVICTION_POLICIES = ("lru", "slru", "lfu", "graph", "graph told", "oracle")
 
 
 def part2(
@@ -198,8 +199,8 @@ def part2(
         f"time 1 +- {think_jitter} cycles; one run per cell\n"
     )
     header = " | ".join(f"{p} computed / hit" for p in EVICTION_POLICIES)
-    print(f"| workload | arrivals | pool | {header} | graph vs oracle |")
-    print("| --- | --- | --- |" + " ---: |" * (len(EVICTION_POLICIES) + 1))
+    print(f"| workload | arrivals | pool | {header} | graph vs oracle | graph told vs oracle |")
+    print("| --- | --- | --- |" + " ---: |" * (len(EVICTION_POLICIES) + 2))
     for workload in eviction_cells.workloads(tokenizer, num_w1_users, num_w6_convs):
         if only is not None and not workload.name.startswith(only):
             continue
@@ -209,25 +210,41 @@ def part2(
             )
             for share in (0.25, 0.5):
                 capacity = int(full * share)
-                cells: dict[str, eviction_cells.CellResult] = {}
-                for policy in EVICTION_POLICIES:
+                cells: dict[str, eviction_cells.CellResult | None] = {}
+                for column in EVICTION_POLICIES:
+                    policy, told = column.removesuffix(" told"), column.endswith(" told")
+                    if told and order != "interleaved":
+                        cells[column] = None  # in rounds every user thinks alike: nothing to tell
+                        continue
                     future = cells["lru"].trace if policy == "oracle" else None
                     cell = eviction_cells.run_cell(
-                        workload, order, model, tokenizer, capacity, policy, future, think_jitter
+                        workload,
+                        order,
+                        model,
+                        tokenizer,
+                        capacity,
+                        policy,
+                        future,
+                        think_jitter,
+                        told,
                     )
-                    assert cell.token_ids == unbounded.token_ids, f"{policy} changed outputs"
-                    cells[policy] = cell
-                graph, oracle = cells["graph"], cells["oracle"]
-                gap = (
-                    f"{graph.prefill_computed / oracle.prefill_computed - 1:+.1%} computed, "
-                    f"{100 * (graph.hit_rate - oracle.hit_rate):+.2f} pt"
+                    assert cell.token_ids == unbounded.token_ids, f"{column} changed outputs"
+                    cells[column] = cell
+                oracle = cells["oracle"]
+                gaps = " | ".join(
+                    "-"
+                    if cell is None
+                    else f"{cell.prefill_computed / oracle.prefill_computed - 1:+.1%} computed, "
+                    f"{100 * (cell.hit_rate - oracle.hit_rate):+.2f} pt"
+                    for cell in (cells["graph"], cells["graph told"])
                 )
                 row = " | ".join(
-                    f"{c.prefill_computed:,} / {c.hit_rate:.1%}" for c in cells.values()
+                    "-" if c is None else f"{c.prefill_computed:,} / {c.hit_rate:.1%}"
+                    for c in cells.values()
                 )
                 print(
                     f"| {workload.name} | {order} | {share:.0%} of {full:,} = {capacity:,} | "
-                    f"{row} | {gap} |",
+                    f"{row} | {gaps} |",
                     flush=True,
                 )
 

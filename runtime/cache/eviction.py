@@ -89,8 +89,9 @@ class GraphPolicy(EvictionPolicy):
 
     `node.future` is written by `GraphMarks` (graph_marks.py), which calls `reprioritize`:
     - None: no known reader: evicted first, least recently used first;
-    - NextUse(CONTINUATION, -t): a program branch that paused here at step t will extend it
-      (its next request is not queued yet, so it is needed after everything already waiting);
+    - NextUse(CONTINUATION, -t): a program branch that paused here is expected back at time t
+      to extend it (its next request is not queued yet, so it is needed after everything
+      already waiting);
     - NextUse(QUEUED_READ, -rank): a waiting request at queue position `rank` reads it.
     Belady's rule, with the next use taken from the queue and the programs instead of guessed.
     Pinned prefixes (fork and run_batch shared prefixes) are locked and never candidates.

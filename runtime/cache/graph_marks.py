@@ -22,7 +22,7 @@ class NextUse(NamedTuple):
     """
 
     kind: int  # CONTINUATION or QUEUED_READ
-    order: int  # within a kind, larger is sooner: -step for continuations, -rank for reads
+    order: float  # within a kind, larger is sooner: -expected return s, or -queue rank
 
 
 CONTINUATION = 1  # a paused program branch will extend this path (after everything queued)
@@ -35,7 +35,7 @@ class NoMarks:
     def mark_queued_reads(self, positions: Callable[[], Iterable[TreePosition]]) -> None:
         pass  # never asks for the positions: ordering and matching them is not free
 
-    def mark_continuation(self, position: TreePosition, step: int) -> None:
+    def mark_continuation(self, position: TreePosition, return_s: float) -> None:
         pass
 
     def mark_read(self, position: TreePosition) -> None:
@@ -52,10 +52,12 @@ class GraphMarks(NoMarks):
     - queued reads: each waiting request's matched path, by admission order (the scheduling
       policy's order, fork groups kept together), refreshed before each eviction;
     - continuations: a program branch that finished a request and has more work (its next
-      turn) will extend that path; the earlier it paused, the sooner it is expected back, so
-      in the cyclic case (more conversations than fit) the latest paused go first and a stable
-      subset stays. A continuation mark lasts until a request reads the path again: a
-      conversation whose last turn was admitted has no future left and goes first.
+      turn) will extend that path, expected back when it paused plus the delay its hints
+      declare (`next_turn_after_s`; none: right away). Without declared delays the earliest
+      paused is the soonest back, so in the cyclic case (more conversations than fit) the
+      latest paused go first and a stable subset stays. A continuation mark lasts until a
+      request reads the path again: a conversation whose last turn was admitted has no future
+      left and goes first.
     `future_base` is what a node falls back to when queued-read marks are refreshed.
     Pinned prefixes (fork and run_batch shared prefixes) are locked and never candidates.
     """
@@ -73,6 +75,8 @@ class GraphMarks(NoMarks):
         for rank, position in enumerate(positions()):
             mark = NextUse(QUEUED_READ, -rank)
             node = position.node
+            if position.prefix_len and not node.evicted and position.prefix_len < node.depth:
+                node = self.cache.split_at(position)  # the edge's tail is not read
             while node.parent is not None and not node.evicted and id(node) not in marks:
                 marks[id(node)] = (node, mark)  # an earlier reader marked what is above
                 node = node.parent
@@ -88,10 +92,10 @@ class GraphMarks(NoMarks):
             node.future = future
             self.cache.reprioritize(node)
 
-    def mark_continuation(self, position: TreePosition, step: int) -> None:
-        """A branch paused at `position` at scheduler step `step`; it will extend the path. A
-        shared node keeps the soonest continuation through it."""
-        mark = NextUse(CONTINUATION, -step)
+    def mark_continuation(self, position: TreePosition, return_s: float) -> None:
+        """A branch paused at `position`; it will extend the path at about `return_s` (on the
+        scheduler's clock). A shared node keeps the soonest continuation through it."""
+        mark = NextUse(CONTINUATION, -return_s)
         node = self.cache.resolve(position)
         while node.parent is not None:
             base = node.future_base

@@ -101,9 +101,9 @@ class OracleMarks(NoMarks):
         self.future.consume(namespace, ids[:match_limit])
 
     def next_use(self, node: TreeNode) -> float:
-        """When `node`'s edge is next read (its first token is enough: a read of any of it)."""
-        start = node.depth - len(node.key)
-        return self.future.next_read(self.cache.namespace_of(node), path_to(node, start + 1))
+        """When `node`'s last token is next read: eviction takes a leaf's tail first, and
+        whatever is left of the edge is ranked again by its own last token."""
+        return self.future.next_read(self.cache.namespace_of(node), path_to(node, node.depth))
 
 
 def path_to(node: TreeNode, length: int) -> tuple[int, ...]:

@@ -1,11 +1,13 @@
 """Radix tree over token ids whose nodes hold KV slot indices (never KV bytes).
 
 Semantics follow SGLang's RadixCache (node = maximal run shared by the same requests, lock_ref
-along root paths, leaf-first eviction), with three differences:
+along root paths, leaf-first eviction), with four differences:
 - `match_prefix` is pure: a match ending inside an edge returns a `TreePosition` and splits
   nothing; `lock` (or `insert`) splits only when it must.
 - Eviction candidates (unlocked leaves) are kept in policy order incrementally, so `evict` costs
   O(k log L) for k victims among L leaves instead of re-heapifying every leaf per call.
+- `evict(n)` frees n tokens (whole pages), not whole nodes: the last victim loses only the
+  tail it must, and its head stays cached.
 - Recency and hit counts come from `lock`/`unlock`/`insert` (real uses) on a logical clock, so
   scoring a match for scheduling does not count as a use and orders are deterministic.
 """
@@ -275,13 +277,19 @@ class RadixCache:
         return delta
 
     def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` slots from unlocked leaves, leaf-first; return how many."""
+        """Free `num_tokens` slots (in whole pages) from unlocked leaves, leaf-first, in policy
+        order; of the last victim only the tail that is needed goes (its head stays cached and
+        is ranked again). Returns how many were freed: fewer only if the unlocked tree is
+        smaller."""
         victims: list[TreeNode] = []
         num_evicted = 0
         while num_evicted < num_tokens:
             node = self._candidates.pop()
             if node is None:
                 break
+            keep = len(node.key) - self._pages_for(num_tokens - num_evicted)
+            if keep > 0:  # only the leaf's tail is needed: its head stays cached
+                self._split(node, keep)
             victims.append(node)
             num_evicted += len(node.key)
             if self.event_sink is not None:
@@ -295,6 +303,11 @@ class RadixCache:
     def resolve(self, position: TreePosition) -> TreeNode:
         """The node a (locked, or otherwise split) position ends at exactly."""
         return self._node_at(position, split=False)
+
+    def split_at(self, position: TreePosition) -> TreeNode:
+        """The node ending exactly at a current position, its edge split there if needed (a
+        reader of the head is then told apart from the tail it does not read)."""
+        return self._node_at(position, split=True)
 
     def slot_indices(self, position: TreePosition) -> torch.Tensor:
         """The slots of the prefix up to a position, read upwards along its path (no key
@@ -525,6 +538,7 @@ class RadixCache:
         upper.creation_time = node.creation_time
         upper.hit_count = node.hit_count
         upper.lock_ref = node.lock_ref
+        upper.future = upper.future_base = node.future_base  # a reader of node reads upper
         parent.children[self._child_key(node.key, 0)] = upper
         node.key = node.key[offset:]
         node.value = node.value[offset:].clone()
@@ -535,6 +549,10 @@ class RadixCache:
         if node.candidate_seq is not None:
             self._candidates.add(node)  # its edge changed: a policy may rank it anew (oracle)
         return upper
+
+    def _pages_for(self, num_tokens: int) -> int:
+        """`num_tokens` rounded up to whole pages."""
+        return -(-num_tokens // self.page_size) * self.page_size
 
     def _bump(self, node: TreeNode) -> None:
         """Mark `node` and its ancestors changed: a cached match ending at any of them may now

@@ -24,6 +24,7 @@ With `NullCache` (cache disabled) nothing matches and insert takes nothing, so n
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -58,6 +59,9 @@ class KVManager:
             marks = {"graph": GraphMarks, "oracle": OracleMarks}.get(config.eviction_policy)
             self.marks = marks(self.cache) if marks else NoMarks()
         self._queued_positions = queued_positions  # waiting requests' matches, admission order
+        # seconds; times when paused branches are expected back (benchmarks set a simulated one)
+        self.clock: Callable[[], float] = time.monotonic
+        self.now_s = 0.0  # read once a step: branches pausing in one step tie, deterministically
         self.trace: list[tuple] | None = [] if config.record_trace else None
 
     # ------------------------------------------------------------------ sizes
@@ -84,6 +88,9 @@ class KVManager:
             and other.tokens(0, cached) == ids[:cached]
             for other in running
         )
+
+    def read_clock(self) -> None:
+        self.now_s = self.clock()
 
     # ------------------------------------------------------------------ protocol
     def take_prefix(self, req: Req, position: TreePosition) -> int:
@@ -146,12 +153,13 @@ class KVManager:
         self.free(req.slots[req.num_locked :])  # a partial last page cannot be shared
         req.slots = req.slots[: req.num_locked].clone()
 
-    def release(self, req: Req, insert: bool, step: int) -> None:
+    def release(self, req: Req, insert: bool) -> None:
         """Give up the request's KV: into the tree (insert) or back to the allocator."""
         if insert:
             self.cache_prefix(req)
             if req.hints.continuation and req.lock_pos is not None:
-                self.marks.mark_continuation(req.lock_pos, step)
+                after_s = req.hints.next_turn_after_s or 0.0
+                self.marks.mark_continuation(req.lock_pos, self.now_s + after_s)
         if req.lock_pos is not None:
             self.cache.unlock(req.lock_pos)
         self.free(req.slots[req.num_locked :])

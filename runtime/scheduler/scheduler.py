@@ -98,13 +98,14 @@ class Scheduler:
             return True
         pin = self.pins.pop(rid, None)
         if pin is not None:
-            self.kv.release(pin, insert=False, step=self.counters["steps"])
+            self.kv.release(pin, insert=False)
             pin.status = ReqStatus.FINISHED
         return pin is not None
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> ScheduledBatch | None:
         """The next batch, with every slot it writes allocated; None if nothing can run."""
+        self.kv.read_clock()
         self._abort_expired()
         entries = self._schedule_entries()
         if not entries:
@@ -184,7 +185,7 @@ class Scheduler:
             if not self.kv.grow(req, req.num_computed + num_new):
                 # eviction could not produce the slots: back to waiting, try next step
                 self.counters["cached_tokens"] -= req.num_locked
-                self.kv.release(req, insert=False, step=self.counters["steps"])
+                self.kv.release(req, insert=False)
                 self.add(req)
                 break
             self.running.append(req)
@@ -231,7 +232,7 @@ class Scheduler:
     def retract(self, req: Req) -> None:
         """Back to waiting, keeping its computed KV in the tree (unlocked) for its return."""
         self.running.remove(req)
-        self.kv.release(req, insert=True, step=self.counters["steps"])
+        self.kv.release(req, insert=True)
         req.num_retractions += 1
         req.match_pos = None  # its tokens changed since the last match
         self.add(req)
@@ -309,7 +310,7 @@ class Scheduler:
     def _finish(self, req: Req, reason: str) -> None:
         if req in self.running:
             self.running.remove(req)
-        self.kv.release(req, insert=reason != "error", step=self.counters["steps"])
+        self.kv.release(req, insert=reason != "error")
         req.gen.finish(reason)
         req.status = ReqStatus.FINISHED
         self.counters[{"abort": "aborted", "error": "errors"}.get(reason, "finished")] += 1
