@@ -1,5 +1,5 @@
 """The native CPU kernels (csrc/: paged and flash attention, the cascade merge, norms, RoPE,
-SiLU-and-mul), compiled on first use, cached.
+SiLU-and-mul, the few-row GEMV), compiled on first use, cached.
 
 torch.utils.cpp_extension builds it with the machine's compiler (-O3 -march=native, OpenMP
 through ATen's parallel_for) into torch's extension cache; later processes load it in
@@ -17,7 +17,13 @@ from typing import Any
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.cpp", "flash.cpp", "merge_attention.cpp", "pointwise.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "flash.cpp",
+        "merge_attention.cpp",
+        "pointwise.cpp",
+        "gemv.cpp",
+    )
 ]
 _HEADERS = [Path(__file__).parent / "csrc" / "avx512_math.h"]
 
@@ -33,7 +39,8 @@ def load_cpu_kernels() -> Any:
     `flash_attention(q, k, v, scale, causal)` (bf16, fp32) where `native_flash_supported()`,
     `merge_attention(out_a, lse_a, out_b, lse_b)`, and
     `rms_norm(x, weight, eps)`, `add_rms_norm(x, residual, weight, eps)`,
-    `rope(x, cos, sin)` and `silu_and_mul(gate_up)`."""
+    `rope(x, cos, sin)`, `silu_and_mul(gate_up)`, and `gemv(x, w, bias)` for up to
+    `gemv_max_rows()` rows where `native_gemv_supported()`."""
     import torch
     from torch.utils.cpp_extension import load
 
