@@ -56,9 +56,15 @@ def interleaved_arrivals(
 def interleaved_schedule(
     num_users: int, num_turns: int, wave_size: int, seed: int = 0, think_jitter: float = 0.5
 ) -> list[list[Turn]]:
-    """The arrivals in time order, cut into waves of distinct users. With no jitter a user's
-    return order is its pause order; with jitter only a recording (or the user) knows it."""
-    arrivals = interleaved_arrivals(num_users, num_turns, wave_size, seed, think_jitter)
+    """Interleaved arrivals cut into waves of distinct users. With no jitter a user's return
+    order is its pause order; with jitter only a recording (or the user) knows it."""
+    return waves_of(
+        interleaved_arrivals(num_users, num_turns, wave_size, seed, think_jitter), wave_size
+    )
+
+
+def waves_of(arrivals: dict[Turn, float], wave_size: int) -> list[list[Turn]]:
+    """The arrivals in time order, cut into waves of at most `wave_size` distinct users."""
     waves: list[list[Turn]] = [[]]
     for (user, turn), _ in sorted(arrivals.items(), key=lambda item: (item[1], item[0])):
         if len(waves[-1]) == wave_size or any(u == user for u, _ in waves[-1]):

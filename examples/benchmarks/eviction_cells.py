@@ -18,6 +18,7 @@ from arrivals import (
     interleaved_schedule,
     rounds_schedule,
     think_hints,
+    waves_of,
 )
 
 from flowlang.backends.local import LocalBackend
@@ -133,15 +134,17 @@ def run_cell(
         local = LocalBackend(engine)
         graphs = [workload.program.compile(backend=local, **args) for args in workload.batch]
         firsts = [g.first_prompt() for g in graphs]
-        schedule = schedule_of(workload, order, think_jitter)
-        wave_times = hints = None
         if told_think_times:
             if order != "interleaved":
                 raise ValueError("think times are told only in the interleaved order")
             arrivals = interleaved_arrivals(
                 workload.num_users, workload.num_turns, WAVE_SIZE, think_jitter=think_jitter
             )
+            schedule = waves_of(arrivals, WAVE_SIZE)  # the very arrivals the hints are from
             wave_times, hints = think_hints(schedule, arrivals)
+        else:
+            schedule = schedule_of(workload, order, think_jitter)
+            wave_times = hints = None
         backend = PacedBackend(local, firsts, schedule, wave_times, hints)
         if told_think_times:
             engine.set_eviction_clock(backend.clock)

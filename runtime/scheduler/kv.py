@@ -90,6 +90,7 @@ class KVManager:
         )
 
     def read_clock(self) -> None:
+        """Once a step, before anything is released: the time paused branches are timed by."""
         self.now_s = self.clock()
 
     # ------------------------------------------------------------------ protocol
