@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -173,27 +174,31 @@ def default_tokenizer(default_model_path):
     return load_tokenizer(default_model_path)
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, default_model_path):
-    """A tiny random Llama with SmolLM2's tokenizer and vocabulary: real text, fast forwards."""
+def save_tiny_model(folder: Path, default_model_path: Path, **overrides) -> Path:
+    """A tiny random Llama saved with SmolLM2's tokenizer and vocabulary: real text, fast
+    forwards. initializer_range 0.1 (not 0.02): outputs then depend clearly on the whole
+    context, so a wrong KV row changes the greedy tokens instead of hiding in near-uniform
+    attention."""
     import shutil
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    # initializer_range 0.1 (not 0.02): outputs then depend clearly on the whole context, so
-    # a wrong KV row changes the greedy tokens instead of hiding in near-uniform attention
-    model = tiny_hf_model(
-        "llama",
+    settings = dict(
         vocab_size=49152,
         max_position_embeddings=8192,
         bos_token_id=1,
         eos_token_id=2,
         initializer_range=0.1,
     )
-    model.save_pretrained(folder)
+    tiny_hf_model("llama", **settings, **overrides).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (default_model_path / name).exists():
             shutil.copy(default_model_path / name, folder / name)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_path):
+    """A tiny random Llama with SmolLM2's tokenizer and vocabulary."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), default_model_path)
 
 
 class ServerThread:

@@ -144,35 +144,66 @@ def test_groups_share_their_cached_slots(forest, min_tokens):
             )
 
 
-def test_engine_outputs_identical_with_cascades(tiny_model_dir):
-    """W1's users behind one system prompt, two turns in rounds: the CPU backend (cascades on)
-    gives the torch reference's greedy tokens and prefill counts."""
+def two_rounds(model_dir, backend: str, check=None):
+    """W1's first six users behind one system prompt, two turns in rounds, greedy: (outputs,
+    prefill tokens computed); `check(engine)` runs before the engine closes."""
     from programs import support_agent
     from runtime.config import EngineConfig
     from runtime.engine import Engine
     from runtime.protocol import GenerateRequest, SamplingParams
 
-    runs = {}
-    for backend in ("torch", "cpu"):
-        config = EngineConfig(
-            model=str(tiny_model_dir), attention_backend=backend, max_kv_tokens=30_000
-        )
-        with Engine(config) as engine:
-            inputs = support_agent.make_inputs(engine.tokenizer, "test")
-            prompts = support_agent.first_turn_ids(engine.tokenizer, inputs)[:6]
-            sampling = SamplingParams(temperature=0, max_new_tokens=12)
-            first = engine.generate(
-                [GenerateRequest(input_ids=p, sampling=sampling) for p in prompts]
-            )
-            follow = [p + r.output_ids + p[-20:] for p, r in zip(prompts, first, strict=True)]
-            second = engine.generate(
-                [GenerateRequest(input_ids=p, sampling=sampling) for p in follow]
-            )
-            outputs = [r.output_ids for r in first + second]
-            runs[backend] = (outputs, engine.stats()["prefill_tokens_total"])
-            if backend == "cpu":
-                assert engine.runner.attention.cascade_passes > 0
-    assert runs["cpu"] == runs["torch"]
+    config = EngineConfig(model=str(model_dir), attention_backend=backend, max_kv_tokens=30_000)
+    with Engine(config) as engine:
+        inputs = support_agent.make_inputs(engine.tokenizer, "test")
+        prompts = support_agent.first_turn_ids(engine.tokenizer, inputs)[:6]
+        sampling = SamplingParams(temperature=0, max_new_tokens=12)
+        first = engine.generate([GenerateRequest(input_ids=p, sampling=sampling) for p in prompts])
+        follow = [p + r.output_ids + p[-20:] for p, r in zip(prompts, first, strict=True)]
+        second = engine.generate([GenerateRequest(input_ids=p, sampling=sampling) for p in follow])
+        if check is not None:
+            check(engine)
+        return [r.output_ids for r in first + second], engine.stats()["prefill_tokens_total"]
+
+
+def test_engine_outputs_identical_with_cascades(tiny_model_dir):
+    """The CPU backend (cascades on) gives the torch reference's greedy tokens and prefill
+    counts."""
+
+    def check(engine):
+        assert engine.runner.attention.cascade_passes > 0
+
+    assert two_rounds(tiny_model_dir, "cpu", check) == two_rounds(tiny_model_dir, "torch")
+
+
+@pytest.fixture(scope="module")
+def head_dim_64_model_dir(tmp_path_factory, default_model_path):
+    """SmolLM2's attention shape (head_dim 64, 3 query heads per KV head): the shape the
+    native flash kernel and the fused decode take."""
+    from tests.conftest import save_tiny_model
+
+    folder = tmp_path_factory.mktemp("tiny-llama-64")
+    shape = dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1, head_dim=64)
+    return save_tiny_model(folder, default_model_path, **shape)
+
+
+@pytest.mark.skipif(not native_flash_supported(), reason="this CPU lacks AVX-512 BF16")
+def test_engine_outputs_identical_with_packed_prefixes_and_fused_decodes(head_dim_64_model_dir):
+    """At head_dim 64, fp32: cascades pack their shared prefix once per layer and reuse it
+    across the decode steps, and the greedy tokens and prefill counts are the torch
+    reference's."""
+
+    def check(engine):
+        attention = engine.runner.attention
+        layers = engine.runner.arch.num_layers
+        packed = attention.packed_prefixes
+        packed.check_integrity()
+        # every decode step of a cascade needs the prefix in every layer; packed once per
+        # layer per prefix, the rest are reuses
+        assert attention.cascade_passes >= 12 and attention.fused_decode_passes >= 10
+        assert 0 < packed.packs <= 4 * layers < attention.cascade_passes * layers
+
+    model = head_dim_64_model_dir
+    assert two_rounds(model, "cpu", check) == two_rounds(model, "torch")
 
 
 def test_deepest_shared_run_is_found_whoever_has_the_longest_prefix():

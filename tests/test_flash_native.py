@@ -110,3 +110,55 @@ def test_bad_shapes_raise_naming_the_problem(shape_q, shape_kv, causal, dtype, m
     k = torch.zeros(shape_kv, dtype=dtype)
     with pytest.raises(RuntimeError, match=message):
         load_cpu_kernels().flash_attention(q, k, k, 0.1, causal)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    num_tokens=st.integers(1, 120),
+    length=st.integers(1, 700),
+    group=st.sampled_from([1, 3]),
+    head_dim=st.sampled_from([64, 128]),
+    causal=st.booleans(),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    seed=st.integers(0, 2**16),
+)
+def test_packed_keys_and_row_map_give_the_plain_kernels_result(
+    num_tokens, length, group, head_dim, causal, dtype, seed
+):
+    """flash_pack gathers keys by slot from a pool; flash_attention_packed reads the query rows
+    it is given: together exactly flash_attention on the gathered rows and keys."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads = 2
+    pool_k, pool_v = torch.randn(2, 1000, kv_heads, head_dim, generator=gen).to(dtype)
+    slots = torch.randperm(1000, generator=gen)[:length]
+    q = torch.randn(num_tokens, group * kv_heads, head_dim, generator=gen).to(dtype)
+    count = torch.randint(1, num_tokens + 1, (1,), generator=gen).item()
+    if causal:
+        count = min(count, length)
+    rows = torch.randperm(num_tokens, generator=gen)[:count]
+    kernels = load_cpu_kernels()
+    k_packed, v_packed = kernels.flash_pack(pool_k, pool_v, slots)
+    out, lse = kernels.flash_attention_packed(
+        q, rows, k_packed, v_packed, length, head_dim**-0.5, causal
+    )
+    want_out, want_lse = kernels.flash_attention(
+        q[rows].contiguous(), pool_k[slots], pool_v[slots], head_dim**-0.5, causal
+    )
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+def test_packed_calls_refuse_what_they_cannot_read():
+    kernels = load_cpu_kernels()
+    pool = torch.zeros(50, 2, 64)
+    with pytest.raises(RuntimeError, match="slot 50 outside the pool of 50"):
+        kernels.flash_pack(pool, pool, torch.tensor([3, 50]))
+    k_packed, v_packed = kernels.flash_pack(pool, pool, torch.arange(40))
+    q = torch.zeros(5, 6, 64)
+    with pytest.raises(RuntimeError, match="disagree with length 70"):
+        kernels.flash_attention_packed(q, torch.arange(5), k_packed, v_packed, 70, 0.1, False)
+    with pytest.raises(RuntimeError, match="query row 5 outside q's 5 rows"):
+        kernels.flash_attention_packed(q, torch.tensor([5]), k_packed, v_packed, 40, 0.1, False)
+    with pytest.raises(RuntimeError, match="packed by flash_pack for q's dtype"):
+        kernels.flash_attention_packed(
+            q.bfloat16(), torch.arange(5), k_packed, v_packed, 40, 0.1, False
+        )

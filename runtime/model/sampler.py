@@ -95,11 +95,14 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerState]) -> SampleOutput:
 
     # a row fails alone: NaN logits, or a mask that leaves no token
     errors: list[str | None] = [None] * num_rows
-    for i in (torch.isnan(logits).any(dim=-1) | (logits.amax(dim=-1) == -torch.inf)).nonzero():
+    top = logits.amax(dim=-1)  # NaN where a row holds a NaN: amax propagates it
+    for i in (torch.isnan(top) | (top == -torch.inf)).nonzero():
         errors[int(i)] = NO_TOKEN
     chosen = torch.zeros(num_rows, dtype=torch.int64)
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy and errors[i] is None]
-    if greedy:
+    if len(greedy) == num_rows:  # a batch of greedy rows: no copy of the logits
+        chosen = logits.argmax(dim=-1)
+    elif greedy:
         chosen[greedy] = logits[greedy].argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy and errors[i] is None]
     if sampled:

@@ -5,7 +5,10 @@ pool (index_select) and reads it again in SDPA. The native kernel reads each row
 with prefetch for scattered slots, and handles a few new tokens per sequence too (jump-forward,
 scoring tails). Sequences that share a long cached prefix are attended as a cascade
 (runtime/model/attention/cascade.py): the prefix once for all of them in one flash call, each
-suffix alone. Long extends with no shared prefix stay with SDPA.
+suffix alone. A prefix several sequences share is packed for the flash kernel once and kept
+across steps (packed_prefixes.py); when every member is a single-row decode, the prefix and
+the suffixes run as two native calls that read q's rows and write out's rows in place (no
+gathers, scatters or separate merge). Long extends with no shared prefix stay with SDPA.
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ from runtime.model.attention.cascade import (
     flash_attention_with_lse,
     prefix_of_one,
 )
+from runtime.model.attention.packed_prefixes import PackedPrefix, PackedPrefixes
 from runtime.model.attention.torch_backend import SeqSpan, TorchAttention
+
+# packed shared prefixes kept across steps; W1's two (2k and 512 tokens) take ~60 MB in bf16
+PACKED_PREFIX_BYTES = 256 << 20
 
 
 @dataclass
@@ -58,6 +65,10 @@ class _Cascade:
     rows: torch.Tensor  # (num_rows,) token rows of every member
     short: PagedDecodes | None  # members with few new tokens; rows local to `rows`
     long: list[_LongSuffix]
+    packed: PackedPrefix | None  # the prefix packed for flash, kept across steps
+    # every member a single-row decode: the prefix, each suffix and their merge run as two
+    # native calls that read q's rows and write out's rows in place
+    fused_decode: bool
 
 
 class CpuPagedAttention(TorchAttention):
@@ -83,6 +94,11 @@ class CpuPagedAttention(TorchAttention):
             and native_flash_supported()
         )
         self.cascade_passes = 0  # forward passes that attended a shared prefix once
+        self.fused_decode_passes = 0  # ... of which decodes behind a packed prefix, fused
+        self.packed_prefixes = (
+            PackedPrefixes(pool, self._kernels, PACKED_PREFIX_BYTES) if self._native_flash else None
+        )
+        self._vector_decodes = head_dim % 16 == 0 and head_dim <= 256
 
     def plan_sequences(self, seqs: list[SeqSpan]) -> None:
         """Cascades for the sequences that share a long cached prefix; the rest as before."""
@@ -102,8 +118,11 @@ class CpuPagedAttention(TorchAttention):
                 and seq.prefix_len >= self.min_shared_tokens
             ]
         in_cascade = {i for group in shared for i in group.members}
+        if self.packed_prefixes is not None:
+            self.packed_prefixes.begin_step()
         self._cascades = [self._plan_cascade(group, seqs) for group in shared]
         self.cascade_passes += bool(self._cascades)
+        self.fused_decode_passes += any(c.fused_decode for c in self._cascades)
         super().plan_sequences([s for i, s in enumerate(seqs) if i not in in_cascade])
 
     def _in_decode_group(self, ext_len: int, seq_len: int) -> bool:
@@ -149,7 +168,18 @@ class CpuPagedAttention(TorchAttention):
                     mask = causal_suffix_mask(seq.num_new, suffix.numel(), self.pool.dtype)
                 long.append(_LongSuffix(slice(local, local + seq.num_new), suffix, mask))
         short = paged_decodes(short_rows, short_slots, short_new) if short_rows else None
-        return _Cascade(prefix, torch.tensor(rows), short, long)
+        # a prefix shared by several sequences is met again next step; one sequence's own
+        # prefix grows by its chunk each step, so it is packed per call instead
+        packed = None
+        if self.packed_prefixes is not None and len(prefix.members) > 1:
+            packed = self.packed_prefixes.get(prefix.slots)
+        fused = (
+            packed is not None
+            and not long
+            and len(short_rows) == len(prefix.members)
+            and self._vector_decodes
+        )
+        return _Cascade(prefix, torch.tensor(rows), short, long, packed, fused)
 
     def attend_into(
         self,
@@ -161,17 +191,54 @@ class CpuPagedAttention(TorchAttention):
         out: torch.Tensor,
     ) -> None:
         super().attend_into(layer, q, k, v, window, out)
+        q = q.contiguous()
+        # the vectorized decode takes up to 16 query heads per KV head
+        fusable = q.shape[1] // self.pool.k[0].shape[1] <= 16
         for cascade in self._cascades:  # none for windowed models
-            out[cascade.rows] = self._attend_cascade(layer, cascade, q[cascade.rows], k, v)
+            if cascade.fused_decode and fusable:
+                self._attend_decodes_fused(layer, cascade, q, out)
+            else:
+                out[cascade.rows] = self._attend_cascade(layer, cascade, q, k, v)
+
+    def _attend_decodes_fused(
+        self, layer: int, cascade: _Cascade, q: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """Single-row decodes behind a packed prefix: q (num_tokens, heads, d) -> their rows
+        of out, the prefix half and each suffix merged inside the paged kernel."""
+        scale = q.shape[-1] ** -0.5
+        k_packed, v_packed = self.packed_prefixes.packed(cascade.packed, layer)
+        out_prefix, lse_prefix = self._kernels.flash_attention_packed(
+            q, cascade.rows, k_packed, v_packed, cascade.packed.length, scale, False
+        )
+        short = cascade.short
+        self._kernels.paged_decode_merge(
+            q,
+            self.pool.k[layer],
+            self.pool.v[layer],
+            short.slots,
+            short.indptr,
+            cascade.rows,
+            out_prefix,
+            lse_prefix,
+            scale,
+            out,
+        )
 
     def _attend_cascade(
-        self, layer: int, cascade: _Cascade, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer: int, cascade: _Cascade, q_all: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """q (num_rows, heads, d): the members' rows -> their attention output, same shape.
+        """q_all (num_tokens, heads, d) -> the members' rows' attention, (num_rows, heads, d).
         k/v (num_tokens, kv_heads, d): the batch's new K/V rows."""
+        q = q_all[cascade.rows]
         scale = q.shape[-1] ** -0.5
-        k_prefix, v_prefix = self._prefix_kv(layer, cascade.prefix)
-        out_prefix, lse_prefix = self._flash(q, k_prefix, v_prefix, scale, causal=False)
+        if cascade.packed is not None:
+            k_packed, v_packed = self.packed_prefixes.packed(cascade.packed, layer)
+            out_prefix, lse_prefix = self._kernels.flash_attention_packed(
+                q_all, cascade.rows, k_packed, v_packed, cascade.packed.length, scale, False
+            )
+        else:
+            k_prefix, v_prefix = self._prefix_kv(layer, cascade.prefix)
+            out_prefix, lse_prefix = self._flash(q, k_prefix, v_prefix, scale, causal=False)
         out_suffix = torch.empty_like(q)
         lse_suffix = torch.empty(q.shape[:2], dtype=torch.float32)
         if cascade.short is not None:

@@ -37,7 +37,11 @@ def load_cpu_kernels() -> Any:
     """The ops namespace with `paged_attention(q, k_pool, v_pool, slots, kv_indptr, qo_indptr,
     scale, window, softcap)` (softcap 0 leaves the scores uncapped), and
     `flash_attention(q, k, v, scale, causal)` (bf16, fp32) where `native_flash_supported()`,
-    `merge_attention(out_a, lse_a, out_b, lse_b)`, and
+    with its two halves `flash_pack(k_pool, v_pool, slots)` (keys gathered by slot and packed
+    for it) and `flash_attention_packed(q, q_rows, k_packed, v_packed, length, scale, causal)`
+    (the query rows q_rows of q), `paged_decode_merge(q, k_pool, v_pool, slots, kv_indptr,
+    rows, prefix_out, prefix_lse, scale, out)` (single-row decodes merged with a prefix's
+    attention, written into out's rows), `merge_attention(out_a, lse_a, out_b, lse_b)`, and
     `rms_norm(x, weight, eps)`, `add_rms_norm(x, residual, weight, eps)`,
     `rope(x, cos, sin)`, `silu_and_mul(gate_up)`, and `gemv(x, w, bias)` for up to
     `gemv_max_rows()` rows where `native_gemv_supported()`."""

@@ -37,6 +37,9 @@ constexpr int64_t kQkRows = 8;       // rows per Q·Kᵀ micro-kernel call (x 2 
 constexpr int64_t kPvKeys = 64;      // keys per P·V pass over the rows (V chunk stays in L1)
 constexpr float kLog2e = 1.4426950408889634f;
 
+// Keys padded to whole pairs of K tiles.
+inline int64_t padded_keys(int64_t L) { return (L + 31) / 32 * 32; }
+
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
 // The keys below `limit`, of the 16 starting at `first`.
@@ -64,16 +67,19 @@ struct Flavour<float> {
   static constexpr int64_t kPerUnit = 1;
 };
 
+// The row of key j: slot[j] where the keys are gathered from a pool, else j.
+inline int64_t key_row(const int64_t* slot, int64_t j) { return slot ? slot[j] : j; }
+
 // K of one KV head -> tiles (L_pad / 16, D / per_unit, 16): tile t, unit u holds keys
 // 16t..16t+15, each as its unit u. Keys past L are zero.
 template <typename T>
-void pack_k(const T* k, int64_t row_stride, int64_t L, int64_t D,
+void pack_k(const T* k, int64_t row_stride, const int64_t* slot, int64_t L, int64_t D,
             typename Flavour<T>::Packed* out, int64_t L_pad) {
   using Packed = typename Flavour<T>::Packed;
   const int64_t units = D / Flavour<T>::kPerUnit;
   std::memset(out, 0, sizeof(Packed) * L_pad * units);
   for (int64_t j = 0; j < L; ++j) {
-    const Packed* src = reinterpret_cast<const Packed*>(k + j * row_stride);
+    const Packed* src = reinterpret_cast<const Packed*>(k + key_row(slot, j) * row_stride);
     Packed* dst = out + (j / kTile) * units * kTile + j % kTile;
     for (int64_t u = 0; u < units; ++u) dst[u * kTile] = src[u];
   }
@@ -82,16 +88,17 @@ void pack_k(const T* k, int64_t row_stride, int64_t L, int64_t D,
 // V of one KV head. bf16: (L_pad / 2, D) of uint32, pair t, column d holding
 // (v[2t][d], v[2t+1][d]). fp32: (L_pad, D), rows as they are. Keys past L are zero.
 template <typename T>
-void pack_v(const T* v, int64_t row_stride, int64_t L, int64_t D,
+void pack_v(const T* v, int64_t row_stride, const int64_t* slot, int64_t L, int64_t D,
             typename Flavour<T>::Packed* out, int64_t L_pad) {
   using Packed = typename Flavour<T>::Packed;
   std::memset(out, 0, sizeof(Packed) * (L_pad / Flavour<T>::kPerUnit) * D);
   if constexpr (std::is_same_v<T, float>) {
-    for (int64_t j = 0; j < L; ++j) std::memcpy(out + j * D, v + j * row_stride, sizeof(float) * D);
+    for (int64_t j = 0; j < L; ++j)
+      std::memcpy(out + j * D, v + key_row(slot, j) * row_stride, sizeof(float) * D);
   } else {
     const uint16_t* bits = reinterpret_cast<const uint16_t*>(v);
     for (int64_t j = 0; j < L; ++j) {
-      const uint16_t* src = bits + j * row_stride;
+      const uint16_t* src = bits + key_row(slot, j) * row_stride;
       uint16_t* dst = reinterpret_cast<uint16_t*>(out + (j / 2) * D) + j % 2;
       for (int64_t d = 0; d < D; ++d) dst[2 * d] = src[d];
     }
@@ -167,7 +174,8 @@ inline void pv_rows(const typename Flavour<T>::Packed* p, int64_t p_stride,
 template <typename T>
 struct Problem {
   using Packed = typename Flavour<T>::Packed;
-  const T* q;             // (n, H, D) contiguous
+  const T* q;             // (T, H, D) contiguous
+  const int64_t* q_rows;  // (n,): query i is q's token q_rows[i]; null: token i
   int64_t n, H, KVH, D, L;
   float scale_log2;       // scale · log2(e): scores kept in base 2
   bool causal;            // query token i sits at key position L - n + i
@@ -191,7 +199,8 @@ void attend_block(const Problem<T>& pb, int64_t kv, int64_t row0, int64_t rows) 
   std::vector<int64_t> limit(padded, pb.L);  // each row's keys: [0, limit)
   for (int64_t f = 0; f < rows; ++f) {
     const int64_t token = (row0 + f) / G, head = kv * G + (row0 + f) % G;
-    std::memcpy(&qb[f * units], pb.q + (token * pb.H + head) * D, sizeof(T) * D);
+    const int64_t q_token = pb.q_rows ? pb.q_rows[token] : token;
+    std::memcpy(&qb[f * units], pb.q + (q_token * pb.H + head) * D, sizeof(T) * D);
     if (pb.causal) limit[f] = pb.L - pb.n + token + 1;
   }
   const int64_t key_end = *std::max_element(limit.begin(), limit.begin() + rows);
@@ -269,35 +278,55 @@ void attend_all(const Problem<T>& pb) {
   });
 }
 
+// Packed K and V of L keys (rows `slot` of k/v, or the first L) into kp/vp, each
+// (KVH, L_pad · D / per_unit) of Packed; one task per KV head and tensor.
 template <typename T>
-void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
-         bool causal, torch::Tensor& out, torch::Tensor& lse) {
-  using Packed = typename Flavour<T>::Packed;
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), L = k.size(0), KVH = k.size(1);
-  const int64_t L_pad = (L + 31) / 32 * 32;
-  const int64_t head_elems = L_pad * D / Flavour<T>::kPerUnit;
-  const auto packed_dtype = std::is_same_v<T, float> ? torch::kFloat : torch::kInt32;
-  auto k_packed = torch::empty({KVH, head_elems}, q.options().dtype(packed_dtype));
-  auto v_packed = torch::empty({KVH, head_elems}, q.options().dtype(packed_dtype));
-  auto* kp = reinterpret_cast<Packed*>(k_packed.data_ptr());
-  auto* vp = reinterpret_cast<Packed*>(v_packed.data_ptr());
-  const T* kd = k.data_ptr<T>();
-  const T* vd = v.data_ptr<T>();
+void pack_all(const T* kd, const T* vd, int64_t row_stride, const int64_t* slot, int64_t L,
+              int64_t KVH, int64_t D, typename Flavour<T>::Packed* kp,
+              typename Flavour<T>::Packed* vp) {
+  const int64_t L_pad = padded_keys(L), head_elems = L_pad * D / Flavour<T>::kPerUnit;
   at::parallel_for(0, 2 * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t h = i / 2;
       if (i % 2 == 0)
-        pack_k<T>(kd + h * D, k.stride(0), L, D, kp + h * head_elems, L_pad);
+        pack_k<T>(kd + h * D, row_stride, slot, L, D, kp + h * head_elems, L_pad);
       else
-        pack_v<T>(vd + h * D, v.stride(0), L, D, vp + h * head_elems, L_pad);
+        pack_v<T>(vd + h * D, row_stride, slot, L, D, vp + h * head_elems, L_pad);
     }
   });
-  const Problem<T> pb{q.data_ptr<T>(), n, H, KVH, D, L, static_cast<float>(scale) * kLog2e,
-                      causal, kp, vp, L_pad, out.data_ptr<T>(), lse.data_ptr<float>()};
+}
+
+template <typename T>
+void attend(const torch::Tensor& q, const int64_t* q_rows, int64_t n,
+            const typename Flavour<T>::Packed* kp, const typename Flavour<T>::Packed* vp,
+            int64_t L, int64_t KVH, double scale, bool causal, torch::Tensor& out,
+            torch::Tensor& lse) {
+  const int64_t H = q.size(1), D = q.size(2);
+  const Problem<T> pb{q.data_ptr<T>(), q_rows, n, H, KVH, D, L,
+                      static_cast<float>(scale) * kLog2e, causal, kp, vp, padded_keys(L),
+                      out.data_ptr<T>(), lse.data_ptr<float>()};
   if (D == 64)
     attend_all<T, 4>(pb);
   else
     attend_all<T, 8>(pb);
+}
+
+// Packed K/V of a call that packs its own keys: kept between calls (a fresh multi-MB
+// buffer each call is mmap-ed and page-faulted, which costs more than the packing).
+std::vector<uint32_t>& pack_workspace() {
+  static thread_local std::vector<uint32_t> buffer;
+  return buffer;
+}
+
+void check_kv(const torch::Tensor& k, const torch::Tensor& v, at::ScalarType dtype) {
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3, "k/v (L, KVH, D) expected");
+  TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype,
+              "k and v must have q's dtype, bf16 or fp32");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.stride(0) == v.stride(0), "k and v shapes disagree");
+  const int64_t D = k.size(2);
+  TORCH_CHECK(D == 64 || D == 128, "head_dim 64 or 128 expected, got ", D);
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D,
+              "k/v rows must hold their heads contiguously");
 }
 
 }  // namespace
@@ -308,26 +337,98 @@ std::tuple<torch::Tensor, torch::Tensor> flash_attention(const torch::Tensor& q,
                                                          const torch::Tensor& k,
                                                          const torch::Tensor& v, double scale,
                                                          bool causal) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q (n,H,D), k/v (L,KVH,D) expected");
+  TORCH_CHECK(q.dim() == 3, "q (n, H, D) expected");
   const auto dtype = q.scalar_type();
-  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && k.scalar_type() == dtype &&
-                  v.scalar_type() == dtype,
-              "bf16 or fp32 tensors of one dtype expected");
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "bf16 or fp32 q expected");
   TORCH_CHECK(q.is_contiguous(), "contiguous q expected");
+  check_kv(k, v, dtype);
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), L = k.size(0), KVH = k.size(1);
-  TORCH_CHECK(v.size(0) == L && v.size(1) == KVH && k.size(2) == D && v.size(2) == D,
-              "k and v shapes disagree with q");
+  TORCH_CHECK(k.size(2) == D, "k and v shapes disagree with q");
   TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(D == 64 || D == 128, "head_dim 64 or 128 expected, got ", D);
-  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D,
-              "k/v rows must hold their heads contiguously");
   TORCH_CHECK(L > 0 && (!causal || L >= n), "every query row needs a key");
   auto out = torch::empty_like(q);
   auto lse = torch::empty({n, H}, q.options().dtype(torch::kFloat));
+  // both packed tensors, in 4-byte units (a bf16 feature pair, or an fp32 feature)
+  const int64_t unit_elems = KVH * padded_keys(L) * D / (dtype == at::kFloat ? 1 : 2);
+  auto& buffer = pack_workspace();
+  if (buffer.size() < static_cast<size_t>(2 * unit_elems)) buffer.resize(2 * unit_elems);
+  if (dtype == at::kFloat) {
+    float* kp = reinterpret_cast<float*>(buffer.data());
+    pack_all<float>(k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), nullptr, L, KVH, D,
+                    kp, kp + unit_elems);
+    attend<float>(q, nullptr, n, kp, kp + unit_elems, L, KVH, scale, causal, out, lse);
+  } else {
+    uint32_t* kp = buffer.data();
+    pack_all<at::BFloat16>(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), k.stride(0),
+                           nullptr, L, KVH, D, kp, kp + unit_elems);
+    attend<at::BFloat16>(q, nullptr, n, kp, kp + unit_elems, L, KVH, scale, causal, out, lse);
+  }
+  return {out, lse};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> flash_pack(const torch::Tensor& k_pool,
+                                                    const torch::Tensor& v_pool,
+                                                    const torch::Tensor& slots) {
+  const auto dtype = k_pool.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "bf16 or fp32 pools expected");
+  check_kv(k_pool, v_pool, dtype);
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == torch::kLong && slots.is_contiguous(),
+              "slots: a contiguous int64 vector expected");
+  const int64_t L = slots.numel(), KVH = k_pool.size(1), D = k_pool.size(2);
+  TORCH_CHECK(L > 0, "no keys to pack");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t rows = k_pool.size(0);
+  for (int64_t j = 0; j < L; ++j)
+    TORCH_CHECK(slot[j] >= 0 && slot[j] < rows, "slot ", slot[j], " outside the pool of ", rows);
+  const int64_t head_elems = padded_keys(L) * D / (dtype == at::kFloat ? 1 : 2);
+  const auto packed_dtype = dtype == at::kFloat ? torch::kFloat : torch::kInt32;
+  auto kp = torch::empty({KVH, head_elems}, k_pool.options().dtype(packed_dtype));
+  auto vp = torch::empty({KVH, head_elems}, k_pool.options().dtype(packed_dtype));
   if (dtype == at::kFloat)
-    run<float>(q, k, v, scale, causal, out, lse);
+    pack_all<float>(k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), k_pool.stride(0), slot,
+                    L, KVH, D, kp.data_ptr<float>(), vp.data_ptr<float>());
   else
-    run<at::BFloat16>(q, k, v, scale, causal, out, lse);
+    pack_all<at::BFloat16>(k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>(),
+                           k_pool.stride(0), slot, L, KVH, D,
+                           reinterpret_cast<uint32_t*>(kp.data_ptr<int32_t>()),
+                           reinterpret_cast<uint32_t*>(vp.data_ptr<int32_t>()));
+  return {kp, vp};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> flash_attention_packed(
+    const torch::Tensor& q, const torch::Tensor& q_rows, const torch::Tensor& k_packed,
+    const torch::Tensor& v_packed, int64_t length, double scale, bool causal) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "contiguous q (T, H, D) expected");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "bf16 or fp32 q expected");
+  const auto packed_dtype = dtype == at::kFloat ? torch::kFloat : torch::kInt32;
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(D == 64 || D == 128, "head_dim 64 or 128 expected, got ", D);
+  TORCH_CHECK(k_packed.dim() == 2 && k_packed.sizes() == v_packed.sizes() &&
+                  k_packed.scalar_type() == packed_dtype &&
+                  v_packed.scalar_type() == packed_dtype && k_packed.is_contiguous() &&
+                  v_packed.is_contiguous(),
+              "k/v packed by flash_pack for q's dtype expected");
+  const int64_t KVH = k_packed.size(0);
+  TORCH_CHECK(length > 0 && k_packed.size(1) == padded_keys(length) * D / (dtype == at::kFloat ? 1 : 2),
+              "the packed keys disagree with length ", length, " and head_dim ", D);
+  TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q_rows.dim() == 1 && q_rows.scalar_type() == torch::kLong && q_rows.is_contiguous(),
+              "q_rows: a contiguous int64 vector expected");
+  const int64_t n = q_rows.numel();
+  const int64_t* rows = q_rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < T, "query row ", rows[i], " outside q's ", T, " rows");
+  TORCH_CHECK(n > 0 && (!causal || length >= n), "every query row needs a key");
+  auto out = torch::empty({n, H, D}, q.options());
+  auto lse = torch::empty({n, H}, q.options().dtype(torch::kFloat));
+  if (dtype == at::kFloat)
+    attend<float>(q, rows, n, k_packed.data_ptr<float>(), v_packed.data_ptr<float>(), length,
+                  KVH, scale, causal, out, lse);
+  else
+    attend<at::BFloat16>(q, rows, n, reinterpret_cast<const uint32_t*>(k_packed.data_ptr<int32_t>()),
+                         reinterpret_cast<const uint32_t*>(v_packed.data_ptr<int32_t>()), length,
+                         KVH, scale, causal, out, lse);
   return {out, lse};
 }
 
@@ -341,12 +442,30 @@ std::tuple<torch::Tensor, torch::Tensor> flash_attention(const torch::Tensor&,
   TORCH_CHECK(false, "the native flash kernel needs AVX-512 BF16, which this CPU lacks");
 }
 
+std::tuple<torch::Tensor, torch::Tensor> flash_pack(const torch::Tensor&, const torch::Tensor&,
+                                                    const torch::Tensor&) {
+  TORCH_CHECK(false, "the native flash kernel needs AVX-512 BF16, which this CPU lacks");
+}
+
+std::tuple<torch::Tensor, torch::Tensor> flash_attention_packed(
+    const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+    int64_t, double, bool) {
+  TORCH_CHECK(false, "the native flash kernel needs AVX-512 BF16, which this CPU lacks");
+}
+
 #endif
 
 TORCH_LIBRARY_FRAGMENT(flowlang, m) {
   m.def("native_flash_supported() -> bool", &native_flash_supported);
   m.def("flash_attention(Tensor q, Tensor k, Tensor v, float scale, bool causal) -> "
         "(Tensor, Tensor)");
+  m.def("flash_pack(Tensor k_pool, Tensor v_pool, Tensor slots) -> (Tensor, Tensor)");
+  m.def("flash_attention_packed(Tensor q, Tensor q_rows, Tensor k_packed, Tensor v_packed, "
+        "int length, float scale, bool causal) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(flowlang, CPU, m) { m.impl("flash_attention", &flash_attention); }
+TORCH_LIBRARY_IMPL(flowlang, CPU, m) {
+  m.impl("flash_attention", &flash_attention);
+  m.impl("flash_pack", &flash_pack);
+  m.impl("flash_attention_packed", &flash_attention_packed);
+}

@@ -32,8 +32,8 @@ inline void prefetch_row(const scalar_t* ptr, int64_t n) {
 #if defined(__AVX512F__)
 // A decode (one query row) vectorized across keys, 16 at a time: each head's 16 dot products
 // are summed by one transpose-and-add tree, softmax runs on whole vectors, and P·V
-// accumulates in registers. Sequences with several new rows, windows or soft-capping take
-// the general kernel below.
+// accumulates in registers; out gets the heads' fp32 results, for the caller to round or merge.
+// Sequences with several new rows, windows or soft-capping take the general kernel below.
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head this path handles
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -73,7 +73,7 @@ inline int64_t key_block(const scalar_t* pool, const int64_t* seq, int64_t j0, i
 
 template <typename scalar_t>
 void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_pool,
-                const int64_t* seq, int64_t L, scalar_t* out, float* lse, int64_t H,
+                const int64_t* seq, int64_t L, float* out, float* lse, int64_t H,
                 int64_t KVH, int64_t D, float scale, std::vector<float>& scores,
                 std::vector<float>& acc, int64_t hk0, int64_t hk1) {
   using namespace flowlang_avx512;
@@ -137,19 +137,19 @@ void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_poo
       }
     }
   }
-  for (int64_t i = hk0 * G * D; i < hk1 * G * D; ++i) out[i] = static_cast<scalar_t>(acc[i]);
+  for (int64_t i = hk0 * G * D; i < hk1 * G * D; ++i) out[i] = acc[i];
 }
 #endif
 
 #if defined(__AVX512BF16__)
-// The same decode for bf16 on vdpbf16ps: q·k straight from the pool's bf16 rows (pairs of
-// features per lane), and P·V from pairs of keys (each lane holds v_j[d], v_j+1[d], built
+// The same decode for bf16 on vdpbf16ps (fp32 outputs, as above): q·k straight from the
+// pool's bf16 rows (pairs of features per lane), and P·V from pairs of keys (each lane holds v_j[d], v_j+1[d], built
 // with one permute per 16 features) against bf16 pairs of probabilities, as the flash
 // kernel rounds them. ND = D / 16 accumulators per head.
 template <int ND>
 void decode_one_bf16(const at::BFloat16* q, const at::BFloat16* k_pool,
                      const at::BFloat16* v_pool, const int64_t* seq, int64_t L,
-                     at::BFloat16* out, float* lse, int64_t H, int64_t KVH, float scale,
+                     float* out, float* lse, int64_t H, int64_t KVH, float scale,
                      std::vector<float>& scores, std::vector<float>& acc, int64_t hk0, int64_t hk1) {
   using namespace flowlang_avx512;
   constexpr int64_t D = 16 * ND, NZ = ND / 2;  // NZ zmm of 32 bf16 per row
@@ -244,13 +244,32 @@ void decode_one_bf16(const at::BFloat16* q, const at::BFloat16* k_pool,
         }
       }
     }
-    for (int64_t g = 0; g < G; ++g) {
-      at::BFloat16* o = out + (hk * G + g) * D;
-      for (int c = 0; c < ND; ++c)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c),
-                            (__m256i)_mm512_cvtneps_pbh(sums[g][c]));
-    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int c = 0; c < ND; ++c) _mm512_storeu_ps(out + (hk * G + g) * D + 16 * c, sums[g][c]);
   }
+}
+#endif
+
+#if defined(__AVX512F__)
+// Whether `decode_heads` takes a single-row decode of this shape.
+inline bool vector_decode(int64_t D, int64_t G) { return D % 16 == 0 && D <= 256 && G <= kMaxGroup; }
+
+// A single-row decode of KV heads [hk0, hk1) over L keys at `seq`: fp32 out (H, D) and lse
+// (H,), written for those heads only.
+template <typename scalar_t>
+void decode_heads(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_pool,
+                  const int64_t* seq, int64_t L, float* out, float* lse, int64_t H, int64_t KVH,
+                  int64_t D, float scale, std::vector<float>& scores, std::vector<float>& acc,
+                  int64_t hk0, int64_t hk1) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    if (D == 64)
+      return decode_one_bf16<4>(q, k_pool, v_pool, seq, L, out, lse, H, KVH, scale, scores, acc, hk0, hk1);
+    if (D == 128)
+      return decode_one_bf16<8>(q, k_pool, v_pool, seq, L, out, lse, H, KVH, scale, scores, acc, hk0, hk1);
+  }
+#endif
+  decode_one(q, k_pool, v_pool, seq, L, out, lse, H, KVH, D, scale, scores, acc, hk0, hk1);
 }
 #endif
 
@@ -274,7 +293,7 @@ void attention_kernel(
   // attends to keys [max(0, pos - window + 1), pos].
   const int64_t parts = B < 4 * at::get_num_threads() ? KVH : 1;
   at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, acc, scores, rowf(row);
+    std::vector<float> qf, acc, scores, rowf(row), head_out(H * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / parts, part = task % parts;
       const int64_t hk0 = parts == 1 ? 0 : part, hk1 = parts == 1 ? KVH : part + 1;
@@ -283,23 +302,12 @@ void attention_kernel(
       const int64_t* seq = slots + kv_indptr[b];
 #if defined(__AVX512F__)
       if constexpr (!std::is_same_v<scalar_t, double>) {
-        if (n == 1 && window == 0 && softcap == 0.f && D % 16 == 0 && D <= 256 &&
-            G <= kMaxGroup) {
-          const scalar_t* qb = q + qo_indptr[b] * H * D;
+        if (n == 1 && window == 0 && softcap == 0.f && vector_decode(D, G)) {
           scalar_t* ob = out + qo_indptr[b] * H * D;
-          float* lb = lse + qo_indptr[b] * H;
-#if defined(__AVX512BF16__)
-          if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-            if (D == 64 || D == 128) {
-              if (D == 64)
-                decode_one_bf16<4>(qb, k_pool, v_pool, seq, L, ob, lb, H, KVH, scale, scores, acc, hk0, hk1);
-              else
-                decode_one_bf16<8>(qb, k_pool, v_pool, seq, L, ob, lb, H, KVH, scale, scores, acc, hk0, hk1);
-              continue;
-            }
-          }
-#endif
-          decode_one(qb, k_pool, v_pool, seq, L, ob, lb, H, KVH, D, scale, scores, acc, hk0, hk1);
+          decode_heads(q + qo_indptr[b] * H * D, k_pool, v_pool, seq, L, head_out.data(),
+                       lse + qo_indptr[b] * H, H, KVH, D, scale, scores, acc, hk0, hk1);
+          for (int64_t i = hk0 * G * D; i < hk1 * G * D; ++i)
+            ob[i] = static_cast<scalar_t>(head_out[i]);
           continue;
         }
       }
@@ -365,7 +373,94 @@ void attention_kernel(
   });
 }
 
+#if defined(__AVX512F__)
+// Single-row decodes that share a prefix attended elsewhere (a cascade): sequence b's query is
+// q's row rows[b]; its own keys are slots[kv_indptr[b]:kv_indptr[b+1]]; its attention over the
+// prefix (prefix_out[b], prefix_lse[b]) is merged in by log-sum-exp, in fp32 from the unrounded
+// suffix result, and written to out's row rows[b]. The merge weighs as merge_attention does.
+template <typename scalar_t>
+void decode_merge_kernel(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_pool,
+                         const int64_t* slots, const int64_t* kv_indptr, const int64_t* rows,
+                         const scalar_t* prefix_out, const float* prefix_lse, scalar_t* out,
+                         int64_t B, int64_t H, int64_t KVH, int64_t D, float scale) {
+  const int64_t G = H / KVH;
+  const int64_t parts = B < 4 * at::get_num_threads() ? KVH : 1;
+  at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc, scores, head_out(H * D), head_lse(H);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / parts, part = task % parts;
+      const int64_t hk0 = parts == 1 ? 0 : part, hk1 = parts == 1 ? KVH : part + 1;
+      const int64_t L = kv_indptr[b + 1] - kv_indptr[b];
+      const int64_t h0 = hk0 * G, h1 = hk1 * G;
+      if (L > 0)
+        decode_heads(q + rows[b] * H * D, k_pool, v_pool, slots + kv_indptr[b], L,
+                     head_out.data(), head_lse.data(), H, KVH, D, scale, scores, acc, hk0, hk1);
+      for (int64_t h = h0; h < h1; ++h) {
+        const float lse_a = prefix_lse[b * H + h], lse_b = L > 0 ? head_lse[h] : -INFINITY;
+        const float top = std::max(lse_a, lse_b);
+        const float wa = std::exp(lse_a - top), wb = L > 0 ? std::exp(lse_b - top) : 0.f;
+        const float inv = 1.f / (wa + wb);
+        const scalar_t* a = prefix_out + (b * H + h) * D;
+        const float* o_b = head_out.data() + h * D;
+        scalar_t* o = out + (rows[b] * H + h) * D;
+        for (int64_t d = 0; d < D; ++d)
+          o[d] = static_cast<scalar_t>(static_cast<float>(a[d]) * (wa * inv) + o_b[d] * (wb * inv));
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
+
+void paged_decode_merge(const torch::Tensor& q, const torch::Tensor& k_pool,
+                        const torch::Tensor& v_pool, const torch::Tensor& slots,
+                        const torch::Tensor& kv_indptr, const torch::Tensor& rows,
+                        const torch::Tensor& prefix_out, const torch::Tensor& prefix_lse,
+                        double scale, torch::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(),
+              "q (T,H,D) and pools (S,KVH,D) expected");
+  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  out.is_contiguous() && prefix_out.is_contiguous() && prefix_lse.is_contiguous(),
+              "contiguous tensors expected");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && kv_indptr.scalar_type() == torch::kLong &&
+                  rows.scalar_type() == torch::kLong,
+              "int64 slots, indptr and rows expected");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(k_pool.scalar_type() == dtype && out.scalar_type() == dtype &&
+                  prefix_out.scalar_type() == dtype && prefix_lse.scalar_type() == torch::kFloat,
+              "q, pools, prefix_out and out share a dtype; prefix_lse is fp32");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_pool.size(1);
+  const int64_t B = rows.numel();
+  TORCH_CHECK(H % KVH == 0 && k_pool.size(2) == D, "head shapes disagree");
+  TORCH_CHECK(kv_indptr.numel() == B + 1, "kv_indptr needs one entry per row, plus one");
+  TORCH_CHECK(prefix_out.dim() == 3 && prefix_out.size(0) == B && prefix_out.size(1) == H &&
+                  prefix_out.size(2) == D && prefix_lse.numel() == B * H,
+              "prefix_out (rows, H, D) and prefix_lse (rows, H) expected");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(r[b] >= 0 && r[b] < T, "row ", r[b], " outside q's ", T, " rows");
+#if defined(__AVX512F__)
+  TORCH_CHECK(vector_decode(D, H / KVH), "head_dim ", D, " and ", H / KVH,
+              " heads per KV head: no vectorized decode for this shape");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "paged_decode_merge", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "fp64 has no vectorized decode");
+    } else {
+      decode_merge_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(),
+                                    v_pool.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
+                                    kv_indptr.data_ptr<int64_t>(), r,
+                                    prefix_out.data_ptr<scalar_t>(), prefix_lse.data_ptr<float>(),
+                                    out.data_ptr<scalar_t>(), B, H, KVH, D,
+                                    static_cast<float>(scale));
+    }
+  });
+#else
+  TORCH_CHECK(false, "paged_decode_merge needs AVX-512");
+#endif
+}
+
 
 std::tuple<torch::Tensor, torch::Tensor> paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
                               const torch::Tensor& v_pool, const torch::Tensor& slots,
@@ -399,6 +494,12 @@ TORCH_LIBRARY(flowlang, m) {
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, "
         "Tensor kv_indptr, Tensor qo_indptr, float scale, int window, float softcap) -> "
         "(Tensor, Tensor)");
+  m.def("paged_decode_merge(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, "
+        "Tensor kv_indptr, Tensor rows, Tensor prefix_out, Tensor prefix_lse, float scale, "
+        "Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(flowlang, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(flowlang, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_decode_merge", &paged_decode_merge);
+}
