@@ -273,6 +273,17 @@ void decode_heads(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_p
 }
 #endif
 
+// n fp32 results rounded to the model dtype (bf16 16 lanes at a time, to nearest even).
+template <typename scalar_t>
+inline void store_rounded(scalar_t* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>)
+    for (; i + 16 <= n; i += 16) flowlang_avx512::store_bf16(dst + i, _mm512_loadu_ps(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<scalar_t>(src[i]);
+}
+
 template <typename scalar_t>
 void attention_kernel(
     const scalar_t* q,          // (T, H, D): the new tokens' queries, sequence after sequence
@@ -306,8 +317,7 @@ void attention_kernel(
           scalar_t* ob = out + qo_indptr[b] * H * D;
           decode_heads(q + qo_indptr[b] * H * D, k_pool, v_pool, seq, L, head_out.data(),
                        lse + qo_indptr[b] * H, H, KVH, D, scale, scores, acc, hk0, hk1);
-          for (int64_t i = hk0 * G * D; i < hk1 * G * D; ++i)
-            ob[i] = static_cast<scalar_t>(head_out[i]);
+          store_rounded(ob + hk0 * G * D, head_out.data() + hk0 * G * D, (hk1 - hk0) * G * D);
           continue;
         }
       }
