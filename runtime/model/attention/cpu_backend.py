@@ -98,7 +98,6 @@ class CpuPagedAttention(TorchAttention):
         self.packed_prefixes = (
             PackedPrefixes(pool, self._kernels, PACKED_PREFIX_BYTES) if self._native_flash else None
         )
-        self._vector_decodes = head_dim % 16 == 0 and head_dim <= 256
 
     def plan_sequences(self, seqs: list[SeqSpan]) -> None:
         """Cascades for the sequences that share a long cached prefix; the rest as before."""
@@ -173,12 +172,7 @@ class CpuPagedAttention(TorchAttention):
         packed = None
         if self.packed_prefixes is not None and len(prefix.members) > 1:
             packed = self.packed_prefixes.get(prefix.slots)
-        fused = (
-            packed is not None
-            and not long
-            and len(short_rows) == len(prefix.members)
-            and self._vector_decodes
-        )
+        fused = packed is not None and not long and len(short_rows) == len(prefix.members)
         return _Cascade(prefix, torch.tensor(rows), short, long, packed, fused)
 
     def attend_into(
@@ -206,10 +200,7 @@ class CpuPagedAttention(TorchAttention):
         """Single-row decodes behind a packed prefix: q (num_tokens, heads, d) -> their rows
         of out, the prefix half and each suffix merged inside the paged kernel."""
         scale = q.shape[-1] ** -0.5
-        k_packed, v_packed = self.packed_prefixes.packed(cascade.packed, layer)
-        out_prefix, lse_prefix = self._kernels.flash_attention_packed(
-            q, cascade.rows, k_packed, v_packed, cascade.packed.length, scale, False
-        )
+        out_prefix, lse_prefix = self._packed_prefix_attention(layer, cascade, q, scale)
         short = cascade.short
         self._kernels.paged_decode_merge(
             q,
@@ -224,6 +215,16 @@ class CpuPagedAttention(TorchAttention):
             out,
         )
 
+    def _packed_prefix_attention(
+        self, layer: int, cascade: _Cascade, q_all: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The members' rows of q_all over the kept packed prefix: out (num_rows, heads, d),
+        lse (num_rows, heads)."""
+        k_packed, v_packed = self.packed_prefixes.packed(cascade.packed, layer)
+        return self._kernels.flash_attention_packed(
+            q_all, cascade.rows, k_packed, v_packed, cascade.packed.length, scale, False
+        )
+
     def _attend_cascade(
         self, layer: int, cascade: _Cascade, q_all: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
@@ -232,10 +233,7 @@ class CpuPagedAttention(TorchAttention):
         q = q_all[cascade.rows]
         scale = q.shape[-1] ** -0.5
         if cascade.packed is not None:
-            k_packed, v_packed = self.packed_prefixes.packed(cascade.packed, layer)
-            out_prefix, lse_prefix = self._kernels.flash_attention_packed(
-                q_all, cascade.rows, k_packed, v_packed, cascade.packed.length, scale, False
-            )
+            out_prefix, lse_prefix = self._packed_prefix_attention(layer, cascade, q_all, scale)
         else:
             k_prefix, v_prefix = self._prefix_kv(layer, cascade.prefix)
             out_prefix, lse_prefix = self._flash(q, k_prefix, v_prefix, scale, causal=False)

@@ -143,9 +143,9 @@ void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_poo
 
 #if defined(__AVX512BF16__)
 // The same decode for bf16 on vdpbf16ps (fp32 outputs, as above): q·k straight from the
-// pool's bf16 rows (pairs of features per lane), and P·V from pairs of keys (each lane holds v_j[d], v_j+1[d], built
-// with one permute per 16 features) against bf16 pairs of probabilities, as the flash
-// kernel rounds them. ND = D / 16 accumulators per head.
+// pool's bf16 rows (pairs of features per lane), and P·V from pairs of keys (each lane holds
+// v_j[d], v_j+1[d], built with one permute per 16 features) against bf16 pairs of
+// probabilities, as the flash kernel rounds them. ND = D / 16 accumulators per head.
 template <int ND>
 void decode_one_bf16(const at::BFloat16* q, const at::BFloat16* k_pool,
                      const at::BFloat16* v_pool, const int64_t* seq, int64_t L,
