@@ -31,6 +31,7 @@ from runtime.intake import RequestIntake
 from runtime.loop import EngineLoop, log_failure
 from runtime.model.arch import ModelArch
 from runtime.model.loader import load_checkpoint, load_tokenizer
+from runtime.model.native.kernels import release_openmp_workers
 from runtime.model.registry import resolve_model
 from runtime.model.runner import ModelRunner
 from runtime.protocol import (
@@ -94,6 +95,10 @@ class Engine:
         """The loop thread that owns scheduler, tree and pool."""
         self._closed = False
         self._kv_events: KVEventPublisher | None = None  # made by the first subscriber
+        if torch.device(self.config.device).type == "cpu":
+            # this thread's OpenMP workers (from building the model) would throttle the loop
+            # thread's: every parallel region of a step would pay a futex wake-up
+            release_openmp_workers()
         self._loop = EngineLoop(self.step, self.scheduler.has_work, self.scheduler.fail_running)
 
     # ------------------------------------------------------------------ the step

@@ -1,11 +1,11 @@
-"""Dense layers with weights pre-packed for the CPU's GEMM (oneDNN) when that is available.
+"""Dense layers with weights pre-packed for the CPU's GEMMs when those are available.
 
-On CPU, oneDNN with weights reordered once into its blocked layout runs the decode-shaped
-GEMMs (few rows, large weights) 2-3x faster than `F.linear` (MKL) in fp32 and is also faster
-for prefill; results differ only in summation order (~1e-6 relative). Forwards of at most a few
-tokens (a lone sequence's decode) instead stream the row-major weights through the native GEMV
-(csrc/gemv.cpp), ~1.5x oneDNN's speed at 1-2 rows in fp32 and ~2x at 1-3 rows in bf16 (even
-in fp32 at 3-4 rows): such a Linear keeps both copies. Elsewhere, `F.linear`.
+On CPU, oneDNN with weights reordered once into its blocked layout runs prefill-sized GEMMs near
+this CPU's peak and 2-3x faster than `F.linear` (MKL) at decode shapes; results differ only in
+summation order (~1e-6 relative in fp32). Decode batches (up to PANEL_MAX_ROWS tokens) instead
+go through the native panel GEMM (csrc/panel_gemm.cpp), which streams weights packed in
+48-feature panels: 1.1-1.4x oneDNN's speed at 5-64 rows in fp32 and 5-32 in bf16, and 1.3-1.9x
+at 1-4 rows. Such a Linear keeps both copies. Elsewhere, `F.linear`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,13 @@ def packed_gemm_available(device: torch.device) -> bool:
     )
 
 
-def native_gemv(weight: torch.Tensor) -> Any | None:
-    """The native kernels' ops where their few-row GEMV runs this weight here, else None (the
+# Forwards of at most this many tokens go through the panel GEMM: above them oneDNN's is as
+# fast or faster (examples/benchmarks/RESULTS.md, "the panel GEMM").
+PANEL_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 32}
+
+
+def native_panel_gemm(weight: torch.Tensor) -> Any | None:
+    """The native kernels' ops where their panel GEMM runs this weight here, else None (the
     kernels' build failure is reported once, by the norms that need them too)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
@@ -36,7 +41,7 @@ def native_gemv(weight: torch.Tensor) -> Any | None:
         ops = load_cpu_kernels()
     except KernelBuildError:
         return None
-    return ops if ops.native_gemv_supported() else None
+    return ops if ops.panel_gemm_supported() else None
 
 
 class Linear:
@@ -46,15 +51,15 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.packed = pack
-        self._gemv = native_gemv(weight) if pack else None
-        self._gemv_rows = self._gemv.gemv_max_rows() if self._gemv is not None else 0
-        self.row_major = weight.contiguous() if self._gemv is not None else None
+        self._native = native_panel_gemm(weight) if pack else None
+        self._panel_rows = PANEL_MAX_ROWS[weight.dtype] if self._native is not None else 0
+        self.panels = self._native.panel_pack(weight) if self._native is not None else None
         # batch-size hint 8: a typical decode batch; any number of rows works
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 8) if pack else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if 0 < x.shape[0] <= self._gemv_rows:
-            return self._gemv.gemv(x, self.row_major, self.bias)
+        if 0 < x.shape[0] <= self._panel_rows:
+            return self._native.panel_gemm(x, self.panels, self.bias, self.out_features)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

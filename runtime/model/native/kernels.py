@@ -1,5 +1,5 @@
 """The native CPU kernels (csrc/: paged and flash attention, the cascade merge, norms, RoPE,
-SiLU-and-mul, the few-row GEMV), compiled on first use, cached.
+SiLU-and-mul, the decode-batch GEMM), compiled on first use, cached.
 
 torch.utils.cpp_extension builds it with the machine's compiler (-O3 -march=native, OpenMP
 through ATen's parallel_for) into torch's extension cache; later processes load it in
@@ -22,7 +22,8 @@ _SOURCES = [
         "flash.cpp",
         "merge_attention.cpp",
         "pointwise.cpp",
-        "gemv.cpp",
+        "panel_gemm.cpp",
+        "threads.cpp",
     )
 ]
 _HEADERS = [Path(__file__).parent / "csrc" / "avx512_math.h"]
@@ -43,8 +44,9 @@ def load_cpu_kernels() -> Any:
     rows, prefix_out, prefix_lse, scale, out)` (single-row decodes merged with a prefix's
     attention, written into out's rows), `merge_attention(out_a, lse_a, out_b, lse_b)`, and
     `rms_norm(x, weight, eps)`, `add_rms_norm(x, residual, weight, eps)`,
-    `rope(x, cos, sin)`, `silu_and_mul(gate_up)`, and `gemv(x, w, bias)` for up to
-    `gemv_max_rows()` rows where `native_gemv_supported()`."""
+    `rope(x, cos, sin)`, `silu_and_mul(gate_up)`, and `panel_gemm(x, panels, bias, n_out)`
+    over `panel_pack(w)`'s panels where `panel_gemm_supported()`, and
+    `release_openmp_workers()` (the calling thread's OpenMP pool, see csrc/threads.cpp)."""
     import torch
     from torch.utils.cpp_extension import load
 
@@ -77,3 +79,13 @@ def load_cpu_kernels() -> Any:
 def native_flash_supported() -> bool:
     """Whether this CPU runs the native flash kernel (built where it has AVX-512 BF16)."""
     return bool(load_cpu_kernels().native_flash_supported())
+
+
+def release_openmp_workers() -> None:
+    """Release the calling thread's OpenMP workers (csrc/threads.cpp: why), where the native
+    kernels are built; a thread that runs parallel work again gets a fresh pool."""
+    try:
+        ops = load_cpu_kernels()
+    except KernelBuildError:
+        return
+    ops.release_openmp_workers()

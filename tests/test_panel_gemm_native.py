@@ -1,0 +1,115 @@
+"""The native panel GEMM (csrc/panel_gemm.cpp) against a float64 reference, and Linear's use of
+it: forwards of up to PANEL_MAX_ROWS tokens go through it, larger ones through oneDNN, and the
+two agree to the dtype's precision. Sizes off the kernel's 48-feature panels, 8-row blocks,
+16/32 lanes and bf16 pairs (odd in_features) are covered."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.model.linear import PANEL_MAX_ROWS, Linear, native_panel_gemm, packed_gemm_available
+from runtime.model.native.kernels import load_cpu_kernels
+
+# relative to the largest |y|: fp32 sums in another order; bf16 rounds its output once
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    kernels = load_cpu_kernels()
+    assert kernels.panel_gemm_supported()
+    return kernels
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 70),
+    in_features=st.sampled_from([1, 2, 15, 16, 33, 64, 100, 576, 1001]),
+    out_features=st.integers(1, 300),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_panel_gemm_matches_a_float64_reference(
+    ops, rows, in_features, out_features, dtype, with_bias, seed
+):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    w = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
+    y = ops.panel_gemm(x, ops.panel_pack(w), bias, out_features)
+    ref = x.double() @ w.double().T + (bias.double() if with_bias else 0)
+    assert y.shape == (rows, out_features) and y.dtype == dtype
+    scale = ref.abs().max().item() + 1e-12
+    assert (y.double() - ref).abs().max().item() / scale < TOLERANCE[dtype]
+
+
+def test_panel_gemm_reads_strided_rows_and_writes_every_output(ops):
+    x = torch.randn(20, 9, 70)[:, 3, :]  # rows 630 floats apart
+    w = torch.randn(97, 70)
+    y = ops.panel_gemm(x, ops.panel_pack(w), None, 97)
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_panel_gemm_refuses_what_it_cannot_run_by_name(ops):
+    w = torch.randn(50, 16)
+    panels = ops.panel_pack(w)
+    with pytest.raises(RuntimeError, match="not panel_pack's"):
+        ops.panel_gemm(torch.randn(1, 15), panels, None, 50)
+    with pytest.raises(RuntimeError, match="not panel_pack's"):
+        ops.panel_gemm(torch.randn(1, 16), panels, None, 200)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.panel_gemm(torch.randn(1, 16).bfloat16(), panels, None, 50)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.panel_gemm(torch.randn(1, 16).double(), panels, None, 50)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.panel_gemm(torch.randn(1, 16), panels, torch.randn(7), 50)
+    with pytest.raises(RuntimeError, match="non-empty"):
+        ops.panel_pack(torch.randn(0, 16))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.panel_pack(w.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_sends_decode_batches_to_the_panel_gemm_and_agrees_with_onednn(dtype):
+    assert packed_gemm_available(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(200, 96, generator=gen).to(dtype)
+    bias = torch.randn(200, generator=gen).to(dtype)
+    linear = Linear(w, bias, pack=True)
+    assert native_panel_gemm(w) is not None and linear.panels is not None
+    ops = load_cpu_kernels()
+    calls = []
+
+    class Counting:  # the kernels' ops, counting the panel GEMM's calls by rows
+        def panel_gemm(self, x, *args):
+            calls.append(x.shape[0])
+            return ops.panel_gemm(x, *args)
+
+    linear._native = Counting()
+    limit = PANEL_MAX_ROWS[dtype]
+    x = torch.randn(limit + 9, 96, generator=gen).to(dtype)
+    batched = linear(x)  # more rows than the limit: oneDNN
+    assert calls == []
+    for rows in (1, 2, 5, 8, limit):
+        few = linear(x[:rows])
+        assert calls[-1] == rows, "decode batches go through the panel GEMM"
+        assert torch.equal(few, ops.panel_gemm(x[:rows], linear.panels, bias, 200))
+        scale = batched.abs().max().item()
+        err = (few.double() - batched[:rows].double()).abs().max().item() / scale
+        assert err < TOLERANCE[dtype]
+    assert Linear(w, bias, pack=False).panels is None  # no second copy without packing
+
+
+def test_released_openmp_workers_come_back_for_the_next_parallel_region(ops):
+    w = torch.randn(500, 300)
+    x = torch.randn(40, 300)  # 11 panels: both threads take part
+    panels = ops.panel_pack(w)
+    before = ops.panel_gemm(x, panels, None, 500)
+    assert ops.release_openmp_workers() == 0
+    assert torch.equal(ops.panel_gemm(x, panels, None, 500), before)
+    assert torch.get_num_threads() >= 1 and ops.release_openmp_workers() == 0
