@@ -308,3 +308,15 @@ def test_a_cancelled_score_stops_and_tells_whoever_runs_it_elsewhere(tiny_model_
         assert stats["num_pins"] == 0 and stats["num_running"] == 0
         (scored,) = eng.score(request)  # the engine serves on
         assert len(scored.token_logprobs) == 2
+
+
+def test_a_cpu_engine_releases_its_builders_openmp_workers_before_its_loop_runs(
+    tiny_model_dir, monkeypatch
+):
+    calls = []
+    monkeypatch.setattr(
+        "runtime.engine.release_openmp_workers", lambda: calls.append(threading.get_ident())
+    )
+    with engine(tiny_model_dir) as eng:
+        assert calls == [threading.get_ident()]  # once, on the thread that built the model
+        assert eng.generate(requests([[5, 6, 7, 8]]))[0].output_ids

@@ -70,6 +70,8 @@ class PhaseTimer:
             "_paged": "  attention: paged kernel (decodes, short extends)",
             "_merge": "  attention: merge halves",
             "gather_kv": "  attention: K/V gathers",
+            "_attend_decodes_fused": "  attention: fused cascade decodes (both halves, merge)",
+            "_packed_prefix_attention": "  attention: packed shared prefixes (in both paths)",
         }
         for name, phase in parts.items():
             if hasattr(att, name):
