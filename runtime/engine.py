@@ -95,7 +95,7 @@ class Engine:
         """The loop thread that owns scheduler, tree and pool."""
         self._closed = False
         self._kv_events: KVEventPublisher | None = None  # made by the first subscriber
-        if torch.device(self.config.device).type == "cpu":
+        if self.runner.device.type == "cpu":
             # this thread's OpenMP workers (from building the model) would throttle the loop
             # thread's: every parallel region of a step would pay a futex wake-up
             release_openmp_workers()

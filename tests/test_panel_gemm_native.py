@@ -112,4 +112,4 @@ def test_released_openmp_workers_come_back_for_the_next_parallel_region(ops):
     before = ops.panel_gemm(x, panels, None, 500)
     assert ops.release_openmp_workers() == 0
     assert torch.equal(ops.panel_gemm(x, panels, None, 500), before)
-    assert torch.get_num_threads() >= 1 and ops.release_openmp_workers() == 0
+    assert ops.release_openmp_workers() == 0  # again, with a fresh pool to release

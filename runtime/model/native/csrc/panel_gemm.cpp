@@ -149,16 +149,16 @@ bool panel_gemm_supported() {
 #endif
 }
 
-void check_weight_dtype(const at::Tensor& t, const char* what) {
+void check_dtype(const char* op, const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
-              "panel_gemm: ", what, " must be float32 or bfloat16, got ", t.scalar_type());
+              op, ": ", what, " must be float32 or bfloat16, got ", t.scalar_type());
 }
 
 // w (out, in) -> its panels: fp32 (P, in, 48), bf16 (P, ceil(in/2), 48, 2), zero-padded.
 at::Tensor panel_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.size(0) > 0 && w.size(1) > 0,
               "panel_pack: w must be a non-empty (out, in) matrix");
-  check_weight_dtype(w, "w");
+  check_dtype("panel_pack", w, "w");
   const int64_t n_out = w.size(0), k = w.size(1), P = num_panels(n_out);
   if (w.scalar_type() == at::kFloat) {
     at::Tensor padded = at::zeros({P * kPanel, k}, w.options());
@@ -175,7 +175,7 @@ at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& panels,
                       const c10::optional<at::Tensor>& bias, int64_t n_out) {
   TORCH_CHECK(panel_gemm_supported(), "panel_gemm: this CPU build has no AVX-512 BF16");
   TORCH_CHECK(x.dim() == 2, "panel_gemm: x must be (rows, in), got ", x.dim(), " dims");
-  check_weight_dtype(x, "x");
+  check_dtype("panel_gemm", x, "x");
   TORCH_CHECK(panels.scalar_type() == x.scalar_type(), "panel_gemm: x and the panels must share a dtype");
   TORCH_CHECK(panels.is_contiguous(), "panel_gemm: the panels must be contiguous");
   const int64_t rows = x.size(0), k = x.size(1);
