@@ -5,6 +5,10 @@ A package adds a subcommand through the entry-point group `flowlang.commands`: e
 point names a `register(commands)` that adds a parser to the argparse subparsers `commands` and
 sets its `handler` default to a function of the parsed arguments returning the exit status
 (`flowlang demo` comes from `programs.demo` this way).
+
+A handler's `UsageError` (runtime/errors.py: an unknown model, a missing key file, a setting
+out of range, a port in use) is printed as `flowlang: error: ...` with exit status 2, like
+argparse's own mistakes; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -13,9 +17,17 @@ import argparse
 import os
 import sys
 from importlib.metadata import entry_points
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pydantic import ValidationError
+
+from runtime.errors import UsageError
+
+if TYPE_CHECKING:
+    from runtime.config import EngineConfig
 
 COMMANDS_GROUP = "flowlang.commands"
+USAGE_ERROR_STATUS = 2  # argparse's status for a bad command line
 
 
 class Commands(Protocol):
@@ -24,17 +36,37 @@ class Commands(Protocol):
     def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default; options defaulting to None say in their help
+    what happens then."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse `argv` and run the chosen subcommand; its exit status."""
+    """Parse `argv` and run the chosen subcommand; its exit status (2 for a usage mistake,
+    printed as one `flowlang: error: ...` line instead of a traceback)."""
     parser = argparse.ArgumentParser(
-        prog="flowlang", description="Structured LLM programs on a radix-cache engine."
+        prog="flowlang",
+        description="Structured LLM programs on a radix-cache engine. "
+        "`flowlang COMMAND --help` shows a command's options.",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(
+        dest="command", required=True, title="commands", metavar="COMMAND"
+    )
     add_serve(commands)
     add_models(commands)
     add_plugins(commands)
     args = parser.parse_args(argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except UsageError as err:
+        # one write: a line a background thread prints at the same moment stays whole
+        sys.stderr.write(f"flowlang: error: {err}\n")
+        return USAGE_ERROR_STATUS
 
 
 def add_plugins(commands: Commands) -> None:
@@ -52,71 +84,152 @@ def add_plugins(commands: Commands) -> None:
         register(commands)
 
 
+def add_engine_options(parser: argparse.ArgumentParser, max_kv_tokens: int | None) -> None:
+    """--model, --max-kv-tokens, --dtype: what `serve` and `demo` both set of EngineConfig."""
+    from runtime.config import DTYPES, EngineConfig  # torch-free, like all of `--help`
+
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="a registry name, a local folder or .gguf file, or a Hugging Face hub id "
+        "(org/name[@revision]); `flowlang models` lists them",
+    )
+    fields = EngineConfig.model_fields
+    share = f"{fields['kv_memory_fraction'].default:.0%}".replace("%", "%%")  # argparse's %
+    memory_default = (
+        f" (default: {share} of available memory, at most "
+        f"{fields['kv_memory_cap_gib'].default:g} GiB)"
+    )
+    parser.add_argument(
+        "--max-kv-tokens",
+        type=int,
+        default=max_kv_tokens,
+        metavar="TOKENS",
+        help="KV pool size in tokens; its GiB are printed at startup, and a CPU pool becomes "
+        "resident only as it fills" + (memory_default if max_kv_tokens is None else ""),
+    )
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV dtype")
+
+
 def add_serve(commands: Commands) -> None:
     """`flowlang serve`: the engine over HTTP."""
-    serve = commands.add_parser("serve", help="serve the engine over HTTP (SGLang and OpenAI APIs)")
-    serve.add_argument("--model", default="smollm2-135m-instruct")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=30000)
+    from runtime.cache.eviction import EVICTION_POLICIES  # torch-free
+    from runtime.cluster.policy import POLICIES as ROUTING_POLICIES
+    from runtime.config import DEVICES, SCHEDULE_POLICIES
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve the engine over HTTP (SGLang and OpenAI APIs)",
+        description="Serve one engine (or --replicas engines behind a router) over HTTP: "
+        "SGLang's native API, the OpenAI API, flowlang's remote protocol, and a live page at "
+        "/dashboard. The port is bound before the model loads.",
+        formatter_class=HelpFormatter,
+    )
+    add_engine_options(serve, max_kv_tokens=None)
+    serve.add_argument(
+        "--device",
+        default="cpu",
+        metavar="{" + ",".join(DEVICES) + "}",
+        help="where the engine runs (one GPU per engine)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument(
+        "--port", type=_port, default=30000, help="TCP port to listen on (0: any free one)"
+    )
     serve.add_argument(
         "--api-key",
         action="append",
         default=[],
+        metavar="KEY",
         help="require this Bearer key (repeat for several tenants; visible in ps: prefer "
-        "--api-key-file or FLOWLANG_API_KEYS)",
+        "--api-key-file or FLOWLANG_API_KEYS) (default: no key, anyone may call)",
     )
-    serve.add_argument("--api-key-file", help="a file with one API key per line")
+    serve.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="a file with one API key per line (default: none; keys also come from "
+        "FLOWLANG_API_KEYS, comma-separated)",
+    )
     serve.add_argument(
         "--admin-key-file",
-        help="a file with one admin key per line (admin keys may also flush the cache)",
+        metavar="PATH",
+        help="a file with one admin key per line; admin keys may also flush the cache "
+        "(default: none; also FLOWLANG_ADMIN_KEYS)",
     )
-    serve.add_argument("--max-kv-tokens", type=int, default=None)
-    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    serve.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per engine)")
-    serve.add_argument("--schedule-policy", default="fcfs")
-    serve.add_argument("--eviction-policy", default="lru")
-    serve.add_argument("--max-body-bytes", type=int, default=8 << 20)
-    serve.add_argument("--pin-lease-seconds", type=float, default=30.0)
     serve.add_argument(
-        "--head-timeout", type=float, default=10.0, help="seconds for a request's headers"
+        "--schedule-policy",
+        default="fcfs",
+        choices=SCHEDULE_POLICIES,
+        help="the order in which waiting requests are admitted",
+    )
+    serve.add_argument(
+        "--eviction-policy",
+        default="lru",
+        choices=tuple(EVICTION_POLICIES),
+        help="which cached prefixes go first when the KV pool is full",
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=_positive(int),
+        default=8 << 20,
+        metavar="BYTES",
+        help="largest request body accepted (413 beyond)",
+    )
+    serve.add_argument(
+        "--pin-lease-seconds",
+        type=_positive(float),
+        default=30.0,
+        metavar="SECONDS",
+        help="a pin held over HTTP is released when not renewed within this",
+    )
+    serve.add_argument(
+        "--head-timeout",
+        type=_positive(float),
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds for a request's headers to arrive (408 beyond)",
     )
     serve.add_argument(
         "--request-timeout",
-        type=float,
+        type=_positive(float),
         default=None,
-        help="abort requests that set no timeout_s after this many seconds (408)",
+        metavar="SECONDS",
+        help="abort requests that set no timeout_s after this many seconds (408) "
+        "(default: no limit)",
     )
     serve.add_argument(
         "--replicas",
-        type=int,
+        type=_positive(int),
         default=1,
-        help="engine replicas as Ray actors behind a router (needs flowlang[ray])",
+        help="engine replicas as Ray actors behind a router (more than 1 needs flowlang[ray])",
     )
     serve.add_argument(
         "--ray-address",
         default=None,
-        help="join this Ray cluster (default: RAY_ADDRESS, else local)",
+        metavar="ADDRESS",
+        help="join this Ray cluster (default: RAY_ADDRESS, else a local Ray)",
     )
     serve.add_argument(
         "--gpus-per-replica",
-        type=float,
+        type=_positive(float),
         default=1.0,
+        metavar="GPUS",
         help="GPUs per replica with --device cuda (0.5: two replicas share one GPU)",
     )
     serve.add_argument(
         "--routing-policy",
         default="cache_aware",
-        choices=["round_robin", "least_loaded", "cache_aware", "approximate"],
+        choices=ROUTING_POLICIES,
+        help="how the router picks a replica for each request (with --replicas)",
     )
     serve.set_defaults(handler=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serve until interrupted."""
-    from runtime.config import EngineConfig
-    from runtime.server.app import ServerSettings, serve
+    """Serve until interrupted: settings checked and the port bound before the model loads."""
+    from runtime.server.listen import bind_socket  # torch-free: a busy port fails in a second
 
-    config = EngineConfig(
+    config = engine_config(
         model=args.model,
         max_kv_tokens=args.max_kv_tokens,
         dtype=args.dtype,
@@ -124,11 +237,16 @@ def run_serve(args: argparse.Namespace) -> int:
         schedule_policy=args.schedule_policy,
         eviction_policy=args.eviction_policy,
     )
+    api_keys = (*args.api_key, *read_keys(args.api_key_file, "FLOWLANG_API_KEYS"))
+    admin_keys = read_keys(args.admin_key_file, "FLOWLANG_ADMIN_KEYS")
+    sock = bind_socket(args.host, args.port)
+    from runtime.server.app import ServerSettings, serve  # torch, and what serves
+
     settings = ServerSettings(
         host=args.host,
-        port=args.port,
-        api_keys=(*args.api_key, *read_keys(args.api_key_file, "FLOWLANG_API_KEYS")),
-        admin_keys=read_keys(args.admin_key_file, "FLOWLANG_ADMIN_KEYS"),
+        port=sock.getsockname()[1],
+        api_keys=api_keys,
+        admin_keys=admin_keys,
         max_body_bytes=args.max_body_bytes,
         pin_lease_seconds=args.pin_lease_seconds,
         head_timeout_s=args.head_timeout,
@@ -143,10 +261,26 @@ def run_serve(args: argparse.Namespace) -> int:
         cluster = ClusterConfig(
             args.replicas, router, args.ray_address, num_gpus_per_replica=args.gpus_per_replica
         )
-        serve_cluster(config, cluster, settings)
+        serve_cluster(config, cluster, settings, sock)
     else:
-        serve(config, settings)
+        serve(config, settings, sock)
     return 0
+
+
+def engine_config(**fields: Any) -> EngineConfig:
+    """EngineConfig(**fields); a value it refuses is a UsageError naming the option."""
+    from runtime.config import EngineConfig
+
+    try:
+        return EngineConfig(**fields)
+    except ValidationError as err:
+        problems = [
+            f"--{str(e['loc'][0]).replace('_', '-')}: {e['msg'].removeprefix('Value error, ')}"
+            if e["loc"]
+            else e["msg"]
+            for e in err.errors()
+        ]
+        raise UsageError("; ".join(problems)) from err
 
 
 def add_models(commands: Commands) -> None:
@@ -167,9 +301,34 @@ def read_keys(path: str | None, env_var: str) -> tuple[str, ...]:
     """Keys from a file (one a line) and a comma-separated environment variable."""
     keys = [k.strip() for k in os.environ.get(env_var, "").split(",")]
     if path is not None:
-        with open(path, encoding="utf-8") as lines:
-            keys += [line.strip() for line in lines]
+        try:
+            with open(path, encoding="utf-8") as lines:
+                keys += [line.strip() for line in lines]
+        except (OSError, UnicodeDecodeError) as err:
+            why = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
+            raise UsageError(f"cannot read the key file {path!r}: {why}") from err
     return tuple(k for k in keys if k)
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port number, 0 to 65535."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0 to 65535)")
+    return port
+
+
+def _positive(kind: type) -> Any:
+    """An argparse type: a number of `kind` above zero."""
+
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} is not above zero")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return parse
 
 
 if __name__ == "__main__":

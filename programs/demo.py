@@ -11,33 +11,39 @@ import time
 
 from flowlang import InstanceError
 from flowlang.backends.local import LocalBackend
-from flowlang.cli import Commands
+from flowlang.cli import Commands, HelpFormatter, add_engine_options, engine_config
 from programs import support_agent
 
 
 def register(commands: Commands) -> None:
     """Add the `demo` subcommand."""
-    demo = commands.add_parser("demo", help="run W1 (support agent) and print a cache report")
-    demo.add_argument("--model", default="smollm2-135m-instruct")
-    demo.add_argument("--users", type=int, default=8)
-    demo.add_argument("--turns", type=int, default=2)
+    demo = commands.add_parser(
+        "demo",
+        help="run W1 (support agent) and print a cache report",
+        description="Run the support-agent workload (W1: user conversations that share a "
+        "system prompt and a few-shot block) as one batch on an in-process engine, then "
+        "print a few conversations, the top of the radix tree, and what the cache saved.",
+        formatter_class=HelpFormatter,
+    )
+    add_engine_options(demo, max_kv_tokens=60_000)
+    demo.add_argument(
+        "--users", type=int, default=8, help="users (one conversation each), run as one batch"
+    )
+    demo.add_argument("--turns", type=int, default=2, help="user turns per conversation")
     demo.add_argument("--show", type=int, default=2, help="conversations to print")
-    demo.add_argument("--max-kv-tokens", type=int, default=60_000)
-    demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     demo.set_defaults(handler=run_demo)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; 1 if a program failed."""
-    from runtime.config import EngineConfig
     from runtime.engine import Engine  # heavy (torch): only when the demo runs
 
+    config = engine_config(model=args.model, max_kv_tokens=args.max_kv_tokens, dtype=args.dtype)
     started = time.perf_counter()
     print(f"[flowlang] starting the engine on {args.model} ...", file=sys.stderr)
-    engine = Engine(
-        EngineConfig(model=args.model, max_kv_tokens=args.max_kv_tokens, dtype=args.dtype)
-    )
+    engine = Engine(config)
     load_s = time.perf_counter() - started
+    print(engine.summary().render(), file=sys.stderr)
     try:
         inputs = support_agent.make_inputs(engine.tokenizer, "bench")
         users = [

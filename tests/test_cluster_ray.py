@@ -238,6 +238,20 @@ def test_http_front_serves_the_same_api_and_refuses_bad_input(fresh, single):
     assert fresh.router.replica_ids  # the front did not stop the cluster it does not own
 
 
+def test_the_front_summarizes_its_replicas_as_one_engine_would(fresh, single, tiny_model_dir):
+    """What `flowlang serve --replicas 2` prints at startup: a replica's summary, and how many."""
+    from runtime.cluster.front import ClusterEngine
+
+    summary = ClusterEngine(fresh, owns_cluster=False).summary()
+    assert summary.num_replicas == 2 and summary.model_path == str(tiny_model_dir)
+    # the kernels line is each process's own (one may have compiled what the other loads), and
+    # so is the thread count (Ray gives a one-CPU replica one thread)
+    own = ("kernels", "threads")
+    facts = [line for line in summary.lines()[1:] if not line.startswith(own)]
+    assert facts == [line for line in single.summary().lines() if not line.startswith(own)]
+    assert summary.lines()[0] == "replicas   2, each as below"
+
+
 def test_http_front_streams_each_replicas_kv_events(fresh):
     """GET /v1/flowlang/kv_events?replica=N at the front: that replica's snapshot, then its
     events as it serves, read through Ray; the tree they rebuild is the replica's own.

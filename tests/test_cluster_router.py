@@ -247,10 +247,13 @@ def test_serve_cli_puts_replicas_on_gpus_as_asked(monkeypatch):
     from runtime.cluster.cluster import ClusterConfig
 
     seen = {}
-    monkeypatch.setattr(
-        cluster_serve, "serve_cluster", lambda config, cluster, settings: seen.update(locals())
-    )
-    argv = ["serve", "--model", "random:tiny", "--device", "cuda", "--replicas", "2"]
+
+    def serve_cluster(config, cluster, settings, sock):
+        sock.close()  # bound by the CLI before anything starts
+        seen.update(locals())
+
+    monkeypatch.setattr(cluster_serve, "serve_cluster", serve_cluster)
+    argv = ["serve", "--model", "random:tiny", "--device", "cuda", "--replicas", "2", "--port", "0"]
     assert main([*argv, "--gpus-per-replica", "0.5", "--routing-policy", "round_robin"]) == 0
     assert seen["config"].device == "cuda"
     assert seen["cluster"].num_replicas == 2 and seen["cluster"].num_gpus_per_replica == 0.5

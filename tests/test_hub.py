@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny_hf_model
 
 from runtime.model.hub import HubModelNotCachedError, is_hub_id
-from runtime.model.registry import resolve_model
+from runtime.model.registry import ModelNotAvailableError, resolve_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"
@@ -73,7 +73,52 @@ def test_offline_and_not_cached_names_the_cache_and_the_fix(offline_cache):
         resolve_model("Qwen/Qwen3-0.6B@main")
     message = str(err.value)
     assert str(offline_cache) in message and "HF_HUB_OFFLINE is set" in message
-    assert "huggingface-cli download Qwen/Qwen3-0.6B --revision main" in message
+    assert "`hf download Qwen/Qwen3-0.6B --revision main --include '*.json'" in message
+    assert "--include '*.safetensors'" in message and "huggingface-cli" not in message
+
+
+def test_an_unreachable_hub_is_not_blamed_on_hf_hub_offline(offline_cache, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from runtime.errors import UsageError
+
+    def unreachable(repo_id, **kwargs):
+        assert not kwargs["local_files_only"]
+        try:
+            raise ConnectionError("no route to huggingface.co")
+        except ConnectionError as cause:
+            raise LocalEntryNotFoundError("cannot find the snapshot") from cause
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    with pytest.raises(HubModelNotCachedError) as err:
+        resolve_model("Qwen/Qwen3-0.6B")
+    message = str(err.value)
+    assert "the hub could not be reached (ConnectionError)" in message
+    assert "HF_HUB_OFFLINE" not in message and isinstance(err.value, UsageError)
+    assert "`hf download Qwen/Qwen3-0.6B --include '*.json'" in message
+    assert "copy its models--Qwen--Qwen3-0.6B folder" in message
+    assert str(offline_cache) in message
+
+
+def test_a_model_the_hub_does_not_have_says_so(offline_cache, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    def refused(kind):
+        def snapshot_download(repo_id, **kwargs):
+            raise kind.__new__(kind)  # the HTTP response these carry is not read
+
+        return snapshot_download
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refused(RepositoryNotFoundError))
+    with pytest.raises(ModelNotAvailableError, match="hub has no model 'org/typo'.*hf auth login"):
+        resolve_model("org/typo")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refused(GatedRepoError))
+    with pytest.raises(ModelNotAvailableError, match="gated: accept its terms"):
+        resolve_model("org/gated")
 
 
 def test_pickle_only_snapshot_is_refused(tmp_path, monkeypatch, offline_cache):

@@ -4,6 +4,7 @@ tables and the numbers they print."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import xml.etree.ElementTree as ET
 
@@ -54,3 +55,22 @@ def test_notebook_executes_and_shows_its_pictures(name, tiny_model_dir, monkeypa
         assert want in text, want
     stderr = "".join(o.get("text", "") for o in outputs if o.get("name") == "stderr")
     assert "Warning" not in stderr, stderr
+
+
+def test_the_notebook_extra_runs_a_notebook_from_the_command_line(tiny_model_dir, tmp_path):
+    """`jupyter nbconvert --execute`, as a user of `pip install -e ".[notebook]"` runs it (the
+    dev extra includes that extra)."""
+    import subprocess
+    import sys
+
+    import nbformat
+
+    jupyter = pathlib.Path(sys.executable).with_name("jupyter")
+    env = dict(os.environ, FLOWLANG_NOTEBOOK_MODEL=str(tiny_model_dir))
+    command = [str(jupyter), "nbconvert", "--to", "notebook", "--execute"]
+    command += [str(ROOT / "examples" / "quickstart.ipynb"), "--output-dir", str(tmp_path)]
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    executed = nbformat.read(tmp_path / "quickstart.ipynb", as_version=4)
+    outputs = [o for cell in executed.cells for o in cell.get("outputs", [])]
+    assert outputs and not [o for o in outputs if o.output_type == "error"]

@@ -29,13 +29,15 @@ def run_worker(
     dtype: str,
     extra_args: tuple[str, ...] = (),
     pythonpath: Path | None = None,
+    env_overrides: dict[str, str] | None = None,
 ) -> dict:
     """Runs `script --worker worker` under `python` on both cores (vLLM's threads bound to them,
     4 GiB of KV) from the repo root; returns the JSON record it wrote. `pythonpath`: import the
-    runtime from another checkout."""
+    runtime from another checkout; `env_overrides`: more environment for the worker."""
     out_path = spec_path.with_name(f"{label}-{dtype}-{time.monotonic_ns()}.json")
     env = dict(os.environ)
     env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="4")
+    env.update(env_overrides or {})
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
     cmd = [python, script, "--worker", worker, "--spec", str(spec_path), "--dtype", dtype]

@@ -1,6 +1,14 @@
-"""KV pool: per layer K and V tensors indexed by slot; the radix tree holds only slot indices."""
+"""KV pool: per layer K and V tensors indexed by slot; the radix tree holds only slot indices.
+
+A CPU pool is anonymous memory that the OS zero-fills on first touch, so only the rows written
+become resident: a pool sized for a long session costs what the session has used so far, not
+its full size at startup (torch.zeros would write, and so commit, every page at once).
+"""
 
 from __future__ import annotations
+
+import math
+import mmap
 
 import torch
 
@@ -33,12 +41,17 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_layers, num_slots + scratch_slots, num_kv_heads, head_dim)
-        self._k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self._v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._k = _zeros(shape, dtype, self.device)
+        self._v = _zeros(shape, dtype, self.device)
         # per layer views: (num_slots + scratch_slots, num_kv_heads, head_dim)
         self.k = list(self._k.unbind(0))
         self.v = list(self._v.unbind(0))
         self.write_counts: torch.Tensor | None = None  # see track_writes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V together, scratch rows included (reserved, not all resident)."""
+        return self._k.nbytes + self._v.nbytes
 
     def track_writes(self) -> torch.Tensor:
         """From now on count, per slot, the layer writes into it: (num_slots + scratch_slots,)
@@ -54,3 +67,14 @@ class KVPool:
         self.v[layer].index_copy_(0, slot_idx, v)
         if self.write_counts is not None:
             self.write_counts.index_add_(0, slot_idx, torch.ones_like(slot_idx))
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on CPU one whose pages become resident only when written."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0 or not hasattr(mmap, "MAP_PRIVATE"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # private (not shared with a forked child), anonymous: zero pages committed on first write;
+    # the tensor holds a reference to the mapping, which is unmapped when the tensor is freed
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(memory, dtype=dtype).view(shape)

@@ -37,6 +37,7 @@ from runtime.protocol import (
 )
 from runtime.results import error_result
 from runtime.scoring import Cancellation
+from runtime.summary import EngineSummary
 
 EVENT_WAIT_S = 1.0  # a follower's long poll returns at the first event, else after this
 REJOIN_POLL_S = 0.5  # how often a dead replica is asked whether Ray restarted it
@@ -275,6 +276,10 @@ class Cluster:
     def describe(self, replica_id: int) -> tuple[Any, int]:
         """A replica's model architecture and KV pool size in slots."""
         return self._ray.get(self.actors[replica_id].describe.remote())
+
+    def summary(self, replica_id: int) -> EngineSummary:
+        """A replica's startup summary (runtime/summary.py)."""
+        return self._ray.get(self.actors[replica_id].summary.remote())
 
     def abort(self, rid: str) -> None:
         """Abort a request where it runs (nothing if it already finished)."""

@@ -8,6 +8,7 @@ it is routed), then routed; the replica streams its chunks back through Ray as t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -21,6 +22,7 @@ from runtime.model.registry import resolve_model
 from runtime.protocol import GenerateRequest, GraphHints, ScoreRequest, StreamChunk
 from runtime.results import error_result
 from runtime.scoring import Cancellation
+from runtime.summary import EngineSummary
 
 
 class _Scorer:
@@ -96,6 +98,11 @@ class ClusterEngine:
         cached, computed = total.get("cached_tokens_total", 0), total.get("prefill_tokens_total", 0)
         total["cache_hit_rate"] = cached / (cached + computed) if cached + computed else 0.0
         return total
+
+    def summary(self) -> EngineSummary:
+        """The first live replica's startup summary, with the number of replicas."""
+        live = self.cluster.router.replica_ids
+        return dataclasses.replace(self.cluster.summary(live[0]), num_replicas=len(live))
 
     def cache_view(self, max_nodes: int = 40) -> CacheView:
         """Every live replica's radix tree in one view (`max_nodes` shared among them), each

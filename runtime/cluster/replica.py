@@ -19,6 +19,7 @@ from runtime.errors import EngineClosedError
 from runtime.handles import PinHandle
 from runtime.protocol import GenerateRequest, GenerateResult, GraphHints, PinInfo, ScoreRequest
 from runtime.scoring import Cancellation
+from runtime.summary import EngineSummary
 
 ACTOR_MAX_CONCURRENCY = 64  # calls in flight per replica (requests, polls, health checks)
 
@@ -137,6 +138,10 @@ class Replica:
     def describe(self) -> tuple[Any, int]:
         """The model's architecture and the KV pool's size in slots (for a router front)."""
         return self.engine.arch, self.engine.intake.num_slots
+
+    def summary(self) -> EngineSummary:
+        """The engine's startup summary (runtime/summary.py)."""
+        return self.engine.summary()
 
     def abort(self, rid: str) -> None:
         """Abort a request running here."""

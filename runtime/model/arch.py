@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from runtime.errors import UsageError
 from runtime.model.families import FAMILIES
 from runtime.prefix import kv_bytes_per_token
 
@@ -21,7 +22,7 @@ QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UsageError, ValueError):
     """The checkpoint's architecture is not one this engine implements."""
 
 

@@ -4,7 +4,7 @@
 engine reads is fetched: configs, safetensors weights, tokenizer files and chat templates
 (never .bin/.pt pickles or GGUF). The Hugging Face environment is read here, at call time:
 `HF_HUB_CACHE` (else `HF_HOME`/hub, else ~/.cache/huggingface/hub), `HF_HUB_OFFLINE`, and the
-token (`HF_TOKEN` or the one `huggingface-cli login` stored), which huggingface_hub picks up.
+token (`HF_TOKEN` or the one `hf auth login` stored), which huggingface_hub picks up.
 """
 
 from __future__ import annotations
@@ -47,7 +47,12 @@ def hub_offline() -> bool:
 def resolve_hub_model(name: str) -> Path:
     """The snapshot folder of hub id `name` (`org/model[@revision]`), downloaded if needed."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     repo_id, _, revision = name.partition("@")
     cache, offline = hub_cache_dir(), hub_offline()
@@ -60,14 +65,20 @@ def resolve_hub_model(name: str) -> Path:
             allow_patterns=ALLOW_PATTERNS,
         )
     except LocalEntryNotFoundError as err:
-        why = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
-        raise HubModelNotCachedError(
-            f"{name!r} is not in the Hugging Face cache {cache} and {why}.\n"
-            f"Fill the cache on a machine with network access and copy it here: "
-            f"`HF_HUB_CACHE={cache} huggingface-cli download {repo_id}"
-            f"{f' --revision {revision}' if revision else ''}"
-            f" --include '*.json' '*.safetensors' 'tokenizer*'`, or unset HF_HUB_OFFLINE "
-            f"(gated models also need HF_TOKEN)."
+        raise HubModelNotCachedError(_not_cached_message(name, cache, offline, err)) from err
+    except GatedRepoError as err:  # before its base class, RepositoryNotFoundError
+        raise ModelNotAvailableError(
+            f"hub model {repo_id!r} is gated: accept its terms on https://huggingface.co/"
+            f"{repo_id}, then set HF_TOKEN or run `hf auth login`"
+        ) from err
+    except RepositoryNotFoundError as err:
+        raise ModelNotAvailableError(
+            f"the Hugging Face hub has no model {repo_id!r} (or it is private: set HF_TOKEN or "
+            f"run `hf auth login`)"
+        ) from err
+    except RevisionNotFoundError as err:
+        raise ModelNotAvailableError(
+            f"hub model {repo_id!r} has no revision {revision!r} (a branch, tag or commit)"
         ) from err
     folder = Path(folder)
     if not any(folder.glob("*.safetensors")):
@@ -76,3 +87,31 @@ def resolve_hub_model(name: str) -> Path:
             f"checkpoints are loaded (convert .bin weights with transformers' save_pretrained)"
         )
     return folder
+
+
+def download_command(repo_id: str, revision: str = "") -> str:
+    """The `hf download` line that fetches what the engine reads of a hub model."""
+    includes = " ".join(f"--include '{pattern}'" for pattern in ALLOW_PATTERNS)
+    return f"hf download {repo_id}{f' --revision {revision}' if revision else ''} {includes}"
+
+
+def _not_cached_message(name: str, cache: Path, offline: bool, err: Exception) -> str:
+    """Why an uncached model could not be fetched, and the ways to get it here."""
+    repo_id, _, revision = name.partition("@")
+    fill = (
+        f"on a machine with network access run `{download_command(repo_id, revision)}` and "
+        f"copy its models--{repo_id.replace('/', '--')} folder (from that machine's Hugging "
+        f"Face cache) into {cache}"
+    )
+    if offline:
+        return (
+            f"{name!r} is not in the Hugging Face cache {cache}, and HF_HUB_OFFLINE is set, so "
+            f"the hub was not asked.\nUnset HF_HUB_OFFLINE to download it, or {fill} "
+            f"(gated models also need HF_TOKEN or `hf auth login`)."
+        )
+    cause = err.__cause__
+    why = f" ({type(cause).__name__})" if cause is not None else ""
+    return (
+        f"{name!r} is not in the Hugging Face cache {cache}, and the hub could not be reached"
+        f"{why}.\nCheck the network (or HTTPS_PROXY) and retry, or {fill}."
+    )

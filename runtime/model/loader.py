@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
+from runtime.errors import UsageError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(UsageError, ValueError):
     """A checkpoint path that cannot be loaded; the message says what is missing."""
 
 

@@ -15,7 +15,6 @@ One interface, three implementations, chosen by `pointwise_ops(device, arch)`:
 from __future__ import annotations
 
 import functools
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,8 +168,8 @@ class NativeCpuOps(TorchOps):
 
 def pointwise_ops(device: torch.device, gemma_norms: bool, hidden_act: str) -> TorchOps:
     """flashinfer's fused kernels on CUDA when installed, for Llama-style models (SiLU, plain
-    norms); our native norms on CPU for them (the reference if they cannot be compiled here,
-    with the reason printed); the torch reference otherwise (Gemma's variants)."""
+    norms); our native norms on CPU for them (the reference if they cannot be built here);
+    the torch reference otherwise (Gemma's variants)."""
     import importlib.util
 
     llama_style = not gemma_norms and hidden_act == "silu"
@@ -181,8 +180,8 @@ def pointwise_ops(device: torch.device, gemma_norms: bool, hidden_act: str) -> T
 
         try:
             return NativeCpuOps(load_cpu_kernels(), hidden_act)
-        except KernelBuildError as err:
-            print(f"[flowlang] {err}; using the torch norms", file=sys.stderr)
+        except KernelBuildError:  # the kernels said why, once
+            pass
     return TorchOps(gemma_norms, hidden_act)
 
 

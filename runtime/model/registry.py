@@ -20,6 +20,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.errors import UsageError
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -63,8 +65,12 @@ MODELS: dict[str, RegistryEntry] = {
 }
 
 
-class ModelNotAvailableError(RuntimeError):
+class ModelNotAvailableError(UsageError, RuntimeError):
     """A registry model that could not be fetched; the message says how to place it by hand."""
+
+
+class UnknownModelError(UsageError, FileNotFoundError):
+    """A model name that is neither a path, a registry name nor a hub id."""
 
 
 def cache_dir() -> Path:
@@ -75,21 +81,30 @@ def cache_dir() -> Path:
     return Path(base) / "flowlang"
 
 
+def check_model_name(name_or_path: str | os.PathLike) -> None:
+    """Raises UnknownModelError for a name that can never resolve, at once (nothing fetched)."""
+    from runtime.model.hub import is_hub_id
+
+    name = str(name_or_path)
+    if not (Path(name_or_path).exists() or name in MODELS or is_hub_id(name)):
+        raise UnknownModelError(
+            f"model {name!r} is neither a path, a registry name nor a Hugging Face "
+            f"hub id (org/name[@revision]); registry: {', '.join(sorted(MODELS))} "
+            f"(`flowlang models` lists what runs)"
+        )
+
+
 def resolve_model(name_or_path: str | os.PathLike, log=None) -> Path:
     """A local model folder or .gguf file for a path, a registry name or a hub id (org/name)."""
+    check_model_name(name_or_path)
     path = Path(name_or_path)
     if path.exists():
         return path
     entry = MODELS.get(str(name_or_path))
     if entry is None:
-        from runtime.model.hub import is_hub_id, resolve_hub_model
+        from runtime.model.hub import resolve_hub_model
 
-        if is_hub_id(str(name_or_path)):
-            return resolve_hub_model(str(name_or_path))
-        raise FileNotFoundError(
-            f"{name_or_path!r} is neither a path, a registry name nor a Hugging Face hub id "
-            f"(org/name[@revision]); registry: {sorted(MODELS)}"
-        )
+        return resolve_hub_model(str(name_or_path))
     folder = cache_dir() / "models" / entry.name
     if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
         return folder

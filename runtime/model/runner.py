@@ -9,6 +9,7 @@ import torch
 
 from runtime.cache.pool import KVPool
 from runtime.config import EngineConfig
+from runtime.errors import UsageError
 from runtime.model.arch import ModelArch
 from runtime.model.attention import make_attention_backend
 from runtime.model.batch import ForwardBatch
@@ -45,7 +46,7 @@ class ModelRunner:
         config = config or EngineConfig()
         self.arch = arch
         self.dtype = parse_dtype(config.dtype)
-        self.device = torch.device(config.device)
+        self.device = _checked_device(config.device)
         self.model = LlamaModel(arch, weights, self.dtype, self.device)
         # decode graphs on CUDA for dense models (the experts' routing syncs with the host)
         graphs = not config.disable_cuda_graph and self.device.type == "cuda"
@@ -95,3 +96,16 @@ class ModelRunner:
     @property
     def num_graph_replays(self) -> int:
         return 0 if self.decode_graphs is None else self.decode_graphs.num_replays
+
+
+def _checked_device(name: str) -> torch.device:
+    """The torch device `name`, or a UsageError when this machine has no such device."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise UsageError(
+                f"device {name!r}: torch {torch.__version__} sees {count} CUDA device(s) here; "
+                f"use --device cpu{' or another index' if count else ''}"
+            )
+    return device

@@ -11,6 +11,7 @@ import base64
 import binascii
 import contextlib
 import os
+import socket
 import sys
 import threading
 import time
@@ -185,23 +186,38 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
-def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
+def serve(
+    engine_config: EngineConfig, settings: ServerSettings, sock: socket.socket | None = None
+) -> None:
     """Run the server until interrupted; then drain, release every pin, stop the engine.
 
-    If the engine's loop ever dies, the process exits with status 70 so a supervisor restarts
-    it (/health says 503 meanwhile)."""
-    engine = Engine(engine_config)
+    `sock`: the listening socket (runtime.server.listen.bind_socket), bound before the engine
+    loads so that a port in use fails at once; bound here if not given. If the engine's loop
+    ever dies, the process exits with status 70 so a supervisor restarts it (/health says 503
+    meanwhile)."""
+    from runtime.server.listen import bind_socket
+
+    if sock is None:
+        sock = bind_socket(settings.host, settings.port)
+    try:
+        engine = Engine(engine_config)
+    except BaseException:
+        sock.close()
+        raise
     threading.Thread(target=_exit_if_engine_dies, args=(engine,), daemon=True).start()
-    run_app(engine, settings)
+    run_app(engine, settings, sock)
 
 
-def run_app(engine: Engine, settings: ServerSettings) -> None:
-    """Serve `engine` (or anything with its surface: runtime.cluster.front) until
-    interrupted; the app's shutdown drains and closes it."""
+def run_app(engine: Engine, settings: ServerSettings, sock: socket.socket | None = None) -> None:
+    """Serve `engine` (or anything with its surface: runtime.cluster.front) on `sock` (bound
+    to settings' host and port if not given) until interrupted; the app's shutdown drains and
+    closes it. Prints the engine's summary and the address first."""
     import uvicorn
 
-    from runtime.server.listen import uvicorn_config
+    from runtime.server.listen import bind_socket, uvicorn_config
 
+    if sock is None:
+        sock = bind_socket(settings.host, settings.port)
     config = uvicorn_config(
         create_app(engine, settings),
         settings,
@@ -209,9 +225,11 @@ def run_app(engine: Engine, settings: ServerSettings) -> None:
         timeout_graceful_shutdown=int(settings.drain_timeout) + 5,
         timeout_keep_alive=5,
     )
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    print(f"[flowlang] live page: http://{host}:{settings.port}/dashboard", file=sys.stderr)
-    uvicorn.Server(config).run()
+    host, port = settings.host, sock.getsockname()[1]  # port 0 asked for any free one
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    print(engine.summary().render(), file=sys.stderr)
+    print(f"[flowlang] serving on {url}; live page: {url}/dashboard", file=sys.stderr, flush=True)
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 def _exit_if_engine_dies(engine: Engine) -> None:

@@ -5,19 +5,30 @@ client that dribbles its headers a byte at a time (slow loris) would hold its co
 forever: uvicorn's keep-alive timer stops at the first byte and never restarts before the head
 is whole. Here a connection whose request head is not complete within `head_timeout_s` of the
 connection opening (or of the previous response) gets a 408 and is closed.
+
+The listening socket is bound (`bind_socket`) before the engine loads, and uvicorn serves on
+that socket: a port in use is reported at once, and nothing can take the port between a check
+and the bind. This module imports no torch, so `flowlang serve` binds within a second.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import json
-from typing import Any
+import socket
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from runtime.server.state import ServerSettings
+from runtime.errors import UsageError
+
+if TYPE_CHECKING:
+    from runtime.server.state import ServerSettings
+
+BACKLOG = 2048  # uvicorn's default; it listens again with its own when it starts serving
 
 
 class HeadDeadlineProtocol(H11Protocol):
@@ -76,3 +87,31 @@ def uvicorn_config(app: Any, settings: ServerSettings, **options: Any) -> uvicor
     `settings`, its connections on HeadDeadlineProtocol."""
     protocol = functools.partial(HeadDeadlineProtocol, head_timeout_s=settings.head_timeout_s)
     return uvicorn.Config(app, host=settings.host, port=settings.port, http=protocol, **options)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host`:`port` and listening (port 0: any free one), for
+    `uvicorn.Server.run(sockets=[...])`; a UsageError when the address cannot be had.
+
+    It listens at once, not when uvicorn starts: a bound socket that does not listen does not
+    hold the port against another SO_REUSEADDR binder (a second `flowlang serve` would load
+    its model too, then fail), and clients that connect while the model loads wait in the
+    backlog instead of being refused."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart skips TIME_WAIT
+    try:
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise UsageError(
+                f"port {port} on {host} is already in use (by another server, perhaps another "
+                f"flowlang serve); choose another with --port"
+            ) from err
+        why = err.strerror or str(err)
+        raise UsageError(
+            f"cannot listen on {host} port {port} ({why}); check --host and --port"
+        ) from err
+    return sock

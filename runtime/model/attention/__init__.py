@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 from runtime.cache.pool import KVPool
 from runtime.model.attention.base import AttentionBackend
 
@@ -34,9 +32,10 @@ def make_attention_backend(
 ) -> AttentionBackend:
     """The backend called `name` over `pool`; "auto" picks the fastest that works here.
 
-    On CPU "auto" is the native kernel ("cpu"); if it cannot be compiled, the reference
-    ("torch", same numerics) is used and the reason printed. On CUDA it is flashinfer when
-    installed, else torch. The chosen name is `backend.name` (and in the engine's stats).
+    On CPU "auto" is the native kernel ("cpu"); if it cannot be built, the reference
+    ("torch", same numerics) is used (runtime.model.native.kernels says why, once). On CUDA
+    it is flashinfer when installed, else torch. The chosen name is `backend.name` (and in
+    the engine's stats).
     """
     if name == "auto":
         # flashinfer takes one window for every layer (Gemma's alternate: the reference then)
@@ -49,9 +48,7 @@ def make_attention_backend(
 
             try:
                 load_cpu_kernels()
-                name = "cpu"
-            except KernelBuildError as err:
-                print(f"[flowlang] {err}; using the torch attention backend", file=sys.stderr)
+            except KernelBuildError:  # the kernels said why, once
                 name = "torch"
     if name == "cpu":
         if pool.device.type != "cpu":

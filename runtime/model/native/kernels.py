@@ -1,42 +1,129 @@
 """The native CPU kernels (csrc/: paged and flash attention, the cascade merge, norms, RoPE,
-SiLU-and-mul, the decode-batch GEMM), compiled on first use, cached.
+SiLU-and-mul, the decode-batch GEMM): built once per machine and torch build (build.py), loaded
+in milliseconds afterwards.
 
-torch.utils.cpp_extension builds it with the machine's compiler (-O3 -march=native, OpenMP
-through ATen's parallel_for) into torch's extension cache; later processes load it in
-milliseconds. A build failure raises with the compiler's message.
+`start_building()` begins the build (or the load of a cached one) on a background thread, so an
+engine compiles while its model is fetched and loaded; `load_cpu_kernels()` waits for it. Where
+they cannot be built (no compiler, a failed build, FLOWLANG_NATIVE_KERNELS=0) the reason is said
+once and every caller falls back to the torch path, which computes the same results.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import sys
+import os
+import subprocess
+import threading
 import time
-from pathlib import Path
 from typing import Any
 
-_SOURCES = [
-    Path(__file__).parent / "csrc" / name
-    for name in (
-        "paged_attention.cpp",
-        "flash.cpp",
-        "merge_attention.cpp",
-        "pointwise.cpp",
-        "panel_gemm.cpp",
-        "threads.cpp",
-    )
+from runtime.model.native import build
+from runtime.model.native.build import KernelBuildError
+
+__all__ = [
+    "KernelBuildError",
+    "kernel_status",
+    "load_cpu_kernels",
+    "native_flash_supported",
+    "release_openmp_workers",
+    "start_building",
 ]
-_HEADERS = [Path(__file__).parent / "csrc" / "avx512_math.h"]
+
+DISABLE_VAR = "FLOWLANG_NATIVE_KERNELS"
+PROGRESS_EVERY_S = 30.0
 
 
-class KernelBuildError(RuntimeError):
-    """The native kernel could not be compiled here."""
+class _Kernels:
+    """The process's one build and load: started once, its outcome (ops or error) kept. A
+    watcher thread loads a cached build, or waits for a build process and reports on it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._error: KernelBuildError | None = None
+        self._key: build.BuildKey | None = None
+        self._started = time.monotonic()
+        self.status = "not loaded yet"
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kernel-build")
+                self._thread.daemon = True
+                self._thread.start()
+
+    def wait(self) -> Any:
+        self.start()
+        if self._thread.is_alive() and self._key is not None:
+            build.say(f"waiting for the CPU kernels to finish compiling ({self._progress()})")
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        import torch
+
+        return torch.ops.flowlang
+
+    def _progress(self) -> str:
+        done = build.files_compiled(self._key)
+        return f"{done} of {len(build.SOURCES)} files, {time.monotonic() - self._started:.0f} s"
+
+    def _run(self) -> None:
+        try:
+            self.status = self._build_or_load()
+        except KernelBuildError as err:
+            self._error = err
+            self.status = f"torch path: {err}"
+            build.say(f"{err}; running on the torch path (same results, slower)")
+
+    def _build_or_load(self) -> str:
+        """Where the loaded kernels came from."""
+        if os.environ.get(DISABLE_VAR, "1").strip().lower() in ("0", "off", "false", "no"):
+            raise KernelBuildError(f"the native CPU kernels are disabled ({DISABLE_VAR}=0)")
+        compiler = build.find_compiler()
+        if compiler is None:
+            raise KernelBuildError(
+                f"no C++ compiler ({os.environ.get('CXX') or 'c++'}) found to build the native "
+                f"CPU kernels (Debian/Ubuntu: apt-get install g++)"
+            )
+        key = build.BuildKey.here(compiler)
+        if key.library is not None:
+            build.load_library(key.library)
+            return f"native (cached build {key.folder})"
+        self._started = time.monotonic()
+        with build.build_lock(key, build.say):
+            if key.library is not None:  # built while we waited
+                build.load_library(key.library)
+                return f"native (built by another process: {key.folder})"
+            build.say(
+                f"compiling the native CPU kernels for this CPU and torch build (once; about a "
+                f"minute on 2 cores) into {key.folder}"
+            )
+            self._key = key
+            child = build.start_build(key)
+            while True:
+                try:
+                    child.wait(PROGRESS_EVERY_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    build.say(f"compiling the CPU kernels: {self._progress()}")
+            if child.returncode != 0 or key.library is None:
+                raise build.failure(key)
+        build.load_library(key.library)
+        elapsed_s = time.monotonic() - self._started
+        build.say(f"compiled the CPU kernels in {elapsed_s:.0f} s; cached in {key.folder}")
+        return f"native (compiled now in {elapsed_s:.0f} s: {key.folder})"
 
 
-@functools.cache
+_KERNELS = _Kernels()
+
+
+def start_building() -> None:
+    """Begin building (or loading) the kernels on a background thread; returns at once."""
+    _KERNELS.start()
+
+
 def load_cpu_kernels() -> Any:
-    """The ops namespace with `paged_attention(q, k_pool, v_pool, slots, kv_indptr, qo_indptr,
-    scale, window, softcap)` (softcap 0 leaves the scores uncapped), and
+    """The ops namespace (waits for the build): `paged_attention(q, k_pool, v_pool, slots,
+    kv_indptr, qo_indptr, scale, window, softcap)` (softcap 0 leaves the scores uncapped), and
     `flash_attention(q, k, v, scale, causal)` (bf16, fp32) where `native_flash_supported()`,
     with its two halves `flash_pack(k_pool, v_pool, slots)` (keys gathered by slot and packed
     for it) and `flash_attention_packed(q, q_rows, k_packed, v_packed, length, scale, causal)`
@@ -46,34 +133,14 @@ def load_cpu_kernels() -> Any:
     `rms_norm(x, weight, eps)`, `add_rms_norm(x, residual, weight, eps)`,
     `rope(x, cos, sin)`, `silu_and_mul(gate_up)`, and `panel_gemm(x, panels, bias, n_out)`
     over `panel_pack(w)`'s panels where `panel_gemm_supported()`, and
-    `release_openmp_workers()` (the calling thread's OpenMP pool, see csrc/threads.cpp)."""
-    import torch
-    from torch.utils.cpp_extension import load
+    `release_openmp_workers()` (the calling thread's OpenMP pool, see csrc/threads.cpp).
+    Raises KernelBuildError (the same one every time) where they cannot be had."""
+    return _KERNELS.wait()
 
-    started = time.perf_counter()
-    # named by the source's hash: processes built from different sources (a checkout of an
-    # older commit) never load or overwrite each other's builds in torch's extension cache
-    source = b"".join(p.read_bytes() for p in [*_SOURCES, *_HEADERS])
-    digest = hashlib.sha256(source).hexdigest()[:12]
-    try:
-        load(
-            name=f"flowlang_cpu_attention_{digest}",
-            sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,  # registers torch.ops.flowlang.*
-            verbose=False,
-        )
-    except (RuntimeError, OSError, ImportError) as err:
-        raise KernelBuildError(f"building the CPU kernels failed: {err}") from err
-    elapsed = time.perf_counter() - started
-    if elapsed > 2:
-        print(
-            f"[flowlang] compiled the CPU kernels in {elapsed:.0f} s (cached now)",
-            file=sys.stderr,
-            flush=True,
-        )
-    return torch.ops.flowlang
+
+def kernel_status() -> str:
+    """One line for startup summaries: where the kernels come from, or why the torch path."""
+    return _KERNELS.status
 
 
 def native_flash_supported() -> bool:

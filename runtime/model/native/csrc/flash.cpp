@@ -11,8 +11,7 @@
 // of its heads. K is repacked into tiles of 16 keys per feature (bf16: per feature pair), V
 // into pair-interleaved rows (bf16) or plain rows (fp32); that costs O(L·D) against the
 // O(rows·L·D) products.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -297,10 +296,10 @@ void pack_all(const T* kd, const T* vd, int64_t row_stride, const int64_t* slot,
 }
 
 template <typename T>
-void attend(const torch::Tensor& q, const int64_t* q_rows, int64_t n,
+void attend(const at::Tensor& q, const int64_t* q_rows, int64_t n,
             const typename Flavour<T>::Packed* kp, const typename Flavour<T>::Packed* vp,
-            int64_t L, int64_t KVH, double scale, bool causal, torch::Tensor& out,
-            torch::Tensor& lse) {
+            int64_t L, int64_t KVH, double scale, bool causal, at::Tensor& out,
+            at::Tensor& lse) {
   const int64_t H = q.size(1), D = q.size(2);
   const Problem<T> pb{q.data_ptr<T>(), q_rows, n, H, KVH, D, L,
                       static_cast<float>(scale) * kLog2e, causal, kp, vp, padded_keys(L),
@@ -318,7 +317,7 @@ std::vector<uint32_t>& pack_workspace() {
   return buffer;
 }
 
-void check_kv(const torch::Tensor& k, const torch::Tensor& v, at::ScalarType dtype) {
+void check_kv(const at::Tensor& k, const at::Tensor& v, at::ScalarType dtype) {
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3, "k/v (L, KVH, D) expected");
   TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype,
               "k and v must have q's dtype, bf16 or fp32");
@@ -333,9 +332,9 @@ void check_kv(const torch::Tensor& k, const torch::Tensor& v, at::ScalarType dty
 
 bool native_flash_supported() { return true; }
 
-std::tuple<torch::Tensor, torch::Tensor> flash_attention(const torch::Tensor& q,
-                                                         const torch::Tensor& k,
-                                                         const torch::Tensor& v, double scale,
+std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q,
+                                                         const at::Tensor& k,
+                                                         const at::Tensor& v, double scale,
                                                          bool causal) {
   TORCH_CHECK(q.dim() == 3, "q (n, H, D) expected");
   const auto dtype = q.scalar_type();
@@ -346,8 +345,8 @@ std::tuple<torch::Tensor, torch::Tensor> flash_attention(const torch::Tensor& q,
   TORCH_CHECK(k.size(2) == D, "k and v shapes disagree with q");
   TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(L > 0 && (!causal || L >= n), "every query row needs a key");
-  auto out = torch::empty_like(q);
-  auto lse = torch::empty({n, H}, q.options().dtype(torch::kFloat));
+  auto out = at::empty_like(q);
+  auto lse = at::empty({n, H}, q.options().dtype(at::kFloat));
   // both packed tensors, in 4-byte units (a bf16 feature pair, or an fp32 feature)
   const int64_t unit_elems = KVH * padded_keys(L) * D / (dtype == at::kFloat ? 1 : 2);
   auto& buffer = pack_workspace();
@@ -366,13 +365,13 @@ std::tuple<torch::Tensor, torch::Tensor> flash_attention(const torch::Tensor& q,
   return {out, lse};
 }
 
-std::tuple<torch::Tensor, torch::Tensor> flash_pack(const torch::Tensor& k_pool,
-                                                    const torch::Tensor& v_pool,
-                                                    const torch::Tensor& slots) {
+std::tuple<at::Tensor, at::Tensor> flash_pack(const at::Tensor& k_pool,
+                                                    const at::Tensor& v_pool,
+                                                    const at::Tensor& slots) {
   const auto dtype = k_pool.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "bf16 or fp32 pools expected");
   check_kv(k_pool, v_pool, dtype);
-  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == torch::kLong && slots.is_contiguous(),
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous(),
               "slots: a contiguous int64 vector expected");
   const int64_t L = slots.numel(), KVH = k_pool.size(1), D = k_pool.size(2);
   TORCH_CHECK(L > 0, "no keys to pack");
@@ -381,9 +380,9 @@ std::tuple<torch::Tensor, torch::Tensor> flash_pack(const torch::Tensor& k_pool,
   for (int64_t j = 0; j < L; ++j)
     TORCH_CHECK(slot[j] >= 0 && slot[j] < rows, "slot ", slot[j], " outside the pool of ", rows);
   const int64_t head_elems = padded_keys(L) * D / (dtype == at::kFloat ? 1 : 2);
-  const auto packed_dtype = dtype == at::kFloat ? torch::kFloat : torch::kInt32;
-  auto kp = torch::empty({KVH, head_elems}, k_pool.options().dtype(packed_dtype));
-  auto vp = torch::empty({KVH, head_elems}, k_pool.options().dtype(packed_dtype));
+  const auto packed_dtype = dtype == at::kFloat ? at::kFloat : at::kInt;
+  auto kp = at::empty({KVH, head_elems}, k_pool.options().dtype(packed_dtype));
+  auto vp = at::empty({KVH, head_elems}, k_pool.options().dtype(packed_dtype));
   if (dtype == at::kFloat)
     pack_all<float>(k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), k_pool.stride(0), slot,
                     L, KVH, D, kp.data_ptr<float>(), vp.data_ptr<float>());
@@ -395,13 +394,13 @@ std::tuple<torch::Tensor, torch::Tensor> flash_pack(const torch::Tensor& k_pool,
   return {kp, vp};
 }
 
-std::tuple<torch::Tensor, torch::Tensor> flash_attention_packed(
-    const torch::Tensor& q, const torch::Tensor& q_rows, const torch::Tensor& k_packed,
-    const torch::Tensor& v_packed, int64_t length, double scale, bool causal) {
+std::tuple<at::Tensor, at::Tensor> flash_attention_packed(
+    const at::Tensor& q, const at::Tensor& q_rows, const at::Tensor& k_packed,
+    const at::Tensor& v_packed, int64_t length, double scale, bool causal) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "contiguous q (T, H, D) expected");
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "bf16 or fp32 q expected");
-  const auto packed_dtype = dtype == at::kFloat ? torch::kFloat : torch::kInt32;
+  const auto packed_dtype = dtype == at::kFloat ? at::kFloat : at::kInt;
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   TORCH_CHECK(D == 64 || D == 128, "head_dim 64 or 128 expected, got ", D);
   TORCH_CHECK(k_packed.dim() == 2 && k_packed.sizes() == v_packed.sizes() &&
@@ -413,15 +412,15 @@ std::tuple<torch::Tensor, torch::Tensor> flash_attention_packed(
   TORCH_CHECK(length > 0 && k_packed.size(1) == padded_keys(length) * D / (dtype == at::kFloat ? 1 : 2),
               "the packed keys disagree with length ", length, " and head_dim ", D);
   TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(q_rows.dim() == 1 && q_rows.scalar_type() == torch::kLong && q_rows.is_contiguous(),
+  TORCH_CHECK(q_rows.dim() == 1 && q_rows.scalar_type() == at::kLong && q_rows.is_contiguous(),
               "q_rows: a contiguous int64 vector expected");
   const int64_t n = q_rows.numel();
   const int64_t* rows = q_rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(rows[i] >= 0 && rows[i] < T, "query row ", rows[i], " outside q's ", T, " rows");
   TORCH_CHECK(n > 0 && (!causal || length >= n), "every query row needs a key");
-  auto out = torch::empty({n, H, D}, q.options());
-  auto lse = torch::empty({n, H}, q.options().dtype(torch::kFloat));
+  auto out = at::empty({n, H, D}, q.options());
+  auto lse = at::empty({n, H}, q.options().dtype(at::kFloat));
   if (dtype == at::kFloat)
     attend<float>(q, rows, n, k_packed.data_ptr<float>(), v_packed.data_ptr<float>(), length,
                   KVH, scale, causal, out, lse);
@@ -436,19 +435,19 @@ std::tuple<torch::Tensor, torch::Tensor> flash_attention_packed(
 
 bool native_flash_supported() { return false; }
 
-std::tuple<torch::Tensor, torch::Tensor> flash_attention(const torch::Tensor&,
-                                                         const torch::Tensor&,
-                                                         const torch::Tensor&, double, bool) {
+std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor&,
+                                                         const at::Tensor&,
+                                                         const at::Tensor&, double, bool) {
   TORCH_CHECK(false, "the native flash kernel needs AVX-512 BF16, which this CPU lacks");
 }
 
-std::tuple<torch::Tensor, torch::Tensor> flash_pack(const torch::Tensor&, const torch::Tensor&,
-                                                    const torch::Tensor&) {
+std::tuple<at::Tensor, at::Tensor> flash_pack(const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor&) {
   TORCH_CHECK(false, "the native flash kernel needs AVX-512 BF16, which this CPU lacks");
 }
 
-std::tuple<torch::Tensor, torch::Tensor> flash_attention_packed(
-    const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+std::tuple<at::Tensor, at::Tensor> flash_attention_packed(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     int64_t, double, bool) {
   TORCH_CHECK(false, "the native flash kernel needs AVX-512 BF16, which this CPU lacks");
 }

@@ -2,8 +2,7 @@
 // (row, head), out = (out_a · e^(lse_a - m) + out_b · e^(lse_b - m)) / (e^(lse_a - m) +
 // e^(lse_b - m)), m the larger lse, in fp32, rounded once to the model dtype. One pass
 // instead of torch's six elementwise ops over the batch.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -45,18 +44,18 @@ void merge_rows(const scalar_t* out_a, const float* lse_a, const scalar_t* out_b
   });
 }
 
-torch::Tensor merge_attention(const torch::Tensor& out_a, const torch::Tensor& lse_a,
-                              const torch::Tensor& out_b, const torch::Tensor& lse_b) {
+at::Tensor merge_attention(const at::Tensor& out_a, const at::Tensor& lse_a,
+                              const at::Tensor& out_b, const at::Tensor& lse_b) {
   TORCH_CHECK(out_a.dim() == 3 && out_a.sizes() == out_b.sizes(), "out_a/out_b (n, H, D) must match");
   TORCH_CHECK(out_a.is_contiguous() && out_b.is_contiguous() && lse_a.is_contiguous() &&
                   lse_b.is_contiguous(),
               "contiguous tensors expected");
   TORCH_CHECK(out_a.scalar_type() == out_b.scalar_type(), "out_a and out_b dtypes differ");
-  TORCH_CHECK(lse_a.scalar_type() == torch::kFloat && lse_b.scalar_type() == torch::kFloat,
+  TORCH_CHECK(lse_a.scalar_type() == at::kFloat && lse_b.scalar_type() == at::kFloat,
               "fp32 lse expected");
   TORCH_CHECK(lse_a.numel() == out_a.size(0) * out_a.size(1) && lse_b.numel() == lse_a.numel(),
               "lse must be (n, H)");
-  auto out = torch::empty_like(out_a);
+  auto out = at::empty_like(out_a);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_a.scalar_type(),
                                   "merge_attention", [&] {
     merge_rows<scalar_t>(out_a.data_ptr<scalar_t>(), lse_a.data_ptr<float>(),

@@ -2,8 +2,7 @@
 // slot-indexed pool (no gather copy). Parallel over sequences; fp32 accumulation. Also
 // returns each (row, head)'s log-sum-exp of scaled scores, so that a caller can merge this
 // result with attention over other keys (a shared prefix attended once for many sequences).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops.h"
 
 #if defined(__AVX512F__)
 #include "avx512_math.h"
@@ -423,22 +422,22 @@ void decode_merge_kernel(const scalar_t* q, const scalar_t* k_pool, const scalar
 
 }  // namespace
 
-void paged_decode_merge(const torch::Tensor& q, const torch::Tensor& k_pool,
-                        const torch::Tensor& v_pool, const torch::Tensor& slots,
-                        const torch::Tensor& kv_indptr, const torch::Tensor& rows,
-                        const torch::Tensor& prefix_out, const torch::Tensor& prefix_lse,
-                        double scale, torch::Tensor out) {
+void paged_decode_merge(const at::Tensor& q, const at::Tensor& k_pool,
+                        const at::Tensor& v_pool, const at::Tensor& slots,
+                        const at::Tensor& kv_indptr, const at::Tensor& rows,
+                        const at::Tensor& prefix_out, const at::Tensor& prefix_lse,
+                        double scale, at::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(),
               "q (T,H,D) and pools (S,KVH,D) expected");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
                   out.is_contiguous() && prefix_out.is_contiguous() && prefix_lse.is_contiguous(),
               "contiguous tensors expected");
-  TORCH_CHECK(slots.scalar_type() == torch::kLong && kv_indptr.scalar_type() == torch::kLong &&
-                  rows.scalar_type() == torch::kLong,
+  TORCH_CHECK(slots.scalar_type() == at::kLong && kv_indptr.scalar_type() == at::kLong &&
+                  rows.scalar_type() == at::kLong,
               "int64 slots, indptr and rows expected");
   const auto dtype = q.scalar_type();
   TORCH_CHECK(k_pool.scalar_type() == dtype && out.scalar_type() == dtype &&
-                  prefix_out.scalar_type() == dtype && prefix_lse.scalar_type() == torch::kFloat,
+                  prefix_out.scalar_type() == dtype && prefix_lse.scalar_type() == at::kFloat,
               "q, pools, prefix_out and out share a dtype; prefix_lse is fp32");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_pool.size(1);
   const int64_t B = rows.numel();
@@ -472,21 +471,21 @@ void paged_decode_merge(const torch::Tensor& q, const torch::Tensor& k_pool,
 }
 
 
-std::tuple<torch::Tensor, torch::Tensor> paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
-                              const torch::Tensor& v_pool, const torch::Tensor& slots,
-                              const torch::Tensor& kv_indptr, const torch::Tensor& qo_indptr,
+std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at::Tensor& k_pool,
+                              const at::Tensor& v_pool, const at::Tensor& slots,
+                              const at::Tensor& kv_indptr, const at::Tensor& qo_indptr,
                               double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3, "q (T,H,D) and pools (S,KVH,D) expected");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(),
               "contiguous tensors expected");
-  TORCH_CHECK(slots.scalar_type() == torch::kLong && kv_indptr.scalar_type() == torch::kLong &&
-                  qo_indptr.scalar_type() == torch::kLong,
+  TORCH_CHECK(slots.scalar_type() == at::kLong && kv_indptr.scalar_type() == at::kLong &&
+                  qo_indptr.scalar_type() == at::kLong,
               "int64 slots and indptrs expected");
   const int64_t B = kv_indptr.numel() - 1, H = q.size(1), D = q.size(2), KVH = k_pool.size(1);
   TORCH_CHECK(H % KVH == 0 && k_pool.size(2) == D, "head shapes disagree");
   TORCH_CHECK(qo_indptr.numel() == B + 1, "qo_indptr and kv_indptr disagree");
-  auto out = torch::empty_like(q);
-  auto lse = torch::empty({q.size(0), H}, q.options().dtype(torch::kFloat));
+  auto out = at::empty_like(q);
+  auto lse = at::empty({q.size(0), H}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention",
                                   [&] {
     attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(),

@@ -8,8 +8,7 @@
 // bf16); above them its GEMM wins, and Linear sends the forward there.
 // fp32 sums each output in K order on FMAs; bf16 sums pairs of bf16 products in fp32 and rounds
 // once at the end, as oneDNN does.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops.h"
 
 #include <cstdint>
 #include <cstring>

@@ -6,8 +6,7 @@
 // - RoPE, rotate-half layout: x*cos and rotate_half(x)*sin rounded, then their sum.
 // In eager torch each is 3-8 elementwise ops over the whole batch, each a pass through memory
 // and a fresh allocation.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops.h"
 
 #include <cmath>
 #include <cstdint>
@@ -83,16 +82,16 @@ void norm_rows<at::BFloat16>(const at::BFloat16* x, const at::BFloat16* residual
 }
 #endif
 
-void check(const torch::Tensor& x, const torch::Tensor& weight) {
+void check(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x (tokens, hidden) contiguous expected");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
               "weight (hidden,) expected");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x dtypes differ");
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check(x, weight);
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, nullptr, weight.data_ptr<scalar_t>(),
                         out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
@@ -100,15 +99,15 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return out;
 }
 
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
-                                                      const torch::Tensor& residual,
-                                                      const torch::Tensor& weight, double eps) {
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
+                                                      const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps) {
   check(x, weight);
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() &&
                   residual.scalar_type() == x.scalar_type(),
               "residual must match x");
-  auto out = torch::empty_like(x);
-  auto summed = torch::empty_like(x);
+  auto out = at::empty_like(x);
+  auto summed = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
                         summed.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
@@ -229,11 +228,11 @@ void rope_rows<at::BFloat16>(const at::BFloat16* x, int64_t stride, const at::BF
 }
 #endif
 
-torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up (tokens, 2 * intermediate) contiguous expected");
   const int64_t inter = gate_up.size(1) / 2;
-  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
+  auto out = at::empty({gate_up.size(0), inter}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul",
                                   [&] {
     silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
@@ -242,7 +241,7 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
-torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
               "x (tokens, heads, head_dim) with contiguous heads expected");
   TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) &&
@@ -251,7 +250,7 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   TORCH_CHECK(cos.size(1) % 2 == 0 && cos.size(1) <= x.size(2), "rotary_dim must be even and <= head_dim");
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "cos/sin dtype must match x");
-  auto out = torch::empty(x.sizes(), x.options());
+  auto out = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope", [&] {
     rope_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), cos.data_ptr<scalar_t>(),
                         sin.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0),

@@ -4,7 +4,7 @@
 // a futex (~50 us here, per region). An engine builds its model on the caller's thread and
 // then computes on its loop thread: releasing the builder's pool keeps the loop thread's
 // workers spinning between the step's few hundred short regions.
-#include <torch/extension.h>
+#include "ops.h"
 
 #include <omp.h>
 
