@@ -240,6 +240,14 @@ def run_serve(args: argparse.Namespace) -> int:
     api_keys = (*args.api_key, *read_keys(args.api_key_file, "FLOWLANG_API_KEYS"))
     admin_keys = read_keys(args.admin_key_file, "FLOWLANG_ADMIN_KEYS")
     sock = bind_socket(args.host, args.port)
+    if not args.model.startswith("random:"):
+        from runtime.model.registry import check_model_name  # torch-free
+
+        try:
+            check_model_name(args.model)  # here, not inside a Ray replica's traceback
+        except UsageError:
+            sock.close()
+            raise
     from runtime.server.app import ServerSettings, serve  # torch, and what serves
 
     settings = ServerSettings(

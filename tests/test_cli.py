@@ -144,6 +144,7 @@ def test_the_port_is_checked_before_the_model_name():
     ("args", "expected"),
     [
         (["--model", "no-such-model"], "model 'no-such-model' is neither a path"),
+        (["--model", "no-such-model", "--replicas", "2"], "model 'no-such-model' is neither"),
         (["--api-key-file", "/no/such/keys"], "cannot read the key file '/no/such/keys'"),
         (["--max-kv-tokens", "3"], "--max-kv-tokens: Input should be greater than or equal"),
         (["--device", "tpu"], "--device: unknown device 'tpu'"),
