@@ -1,1 +1,2 @@
-"""Native CPU kernels (C++, compiled on first use): attention and RMSNorm."""
+"""Native CPU kernels (C++): attention, norms, RoPE, SiLU, the decode GEMM; built once per torch
+build and CPU (build.py), loaded by kernels.py."""
