@@ -2,6 +2,8 @@
 graph on an engine that prefills every shared prefix once.
 
 Importable without torch: the engine is only imported when a LocalBackend is made.
+Tools: `gen(name, tools=[...])` lets the model call them (s[name]: a list of `Call`s, or the
+text), `s.run_tools(calls)` runs them and appends the results (flowlang/tools.py).
 SGLang programs run unchanged with `import flowlang.sglang as sgl` (see flowlang/sglang/).
 """
 
@@ -25,10 +27,12 @@ from flowlang.primitives import (
     role,
     select,
     system,
+    tool_result,
     user,
 )
 from flowlang.program import Program, program
 from flowlang.state import ProgramState
+from flowlang.tools import Call, Tool, tool
 from runtime.prefix import kv_bytes_per_token_of
 
 __version__ = "0.1.0"
@@ -48,6 +52,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "Backend",
+    "Call",
     "ExecutionError",
     "FlowlangError",
     "InstanceError",
@@ -60,6 +65,7 @@ __all__ = [
     "ProgramError",
     "ProgramState",
     "RequestGraph",
+    "Tool",
     "UnknownVariableError",
     "assistant",
     "fewshot",
@@ -73,5 +79,7 @@ __all__ = [
     "select",
     "set_default_backend",
     "system",
+    "tool",
+    "tool_result",
     "user",
 ]

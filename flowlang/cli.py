@@ -222,6 +222,20 @@ def add_serve(commands: Commands) -> None:
         choices=ROUTING_POLICIES,
         help="how the router picks a replica for each request (with --replicas)",
     )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="FORMAT",
+        help="how the model writes tool calls: hermes (Qwen, and templates that know no "
+        "tools), llama3 or mistral (default: read off the chat template)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="FORMAT",
+        help="how the model writes its reasoning: think (<think>...</think>), deepseek-r1 "
+        "(the prompt opens the block) or none (default: read off the chat template)",
+    )
     serve.set_defaults(handler=run_serve)
 
 
@@ -236,6 +250,8 @@ def run_serve(args: argparse.Namespace) -> int:
         device=args.device,
         schedule_policy=args.schedule_policy,
         eviction_policy=args.eviction_policy,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     api_keys = (*args.api_key, *read_keys(args.api_key_file, "FLOWLANG_API_KEYS"))
     admin_keys = read_keys(args.admin_key_file, "FLOWLANG_ADMIN_KEYS")

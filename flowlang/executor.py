@@ -24,7 +24,7 @@ from flowlang.errors import (
 )
 from flowlang.feed import TextFeed
 from flowlang.ir import Fork, Gen, Join, Node, RoleBegin, RoleEnd, Select, Text
-from flowlang.results import appended_ids, gen_meta, parse_output
+from flowlang.results import appended_ids, gen_meta, output_format, read_output
 from flowlang.selection import score_choices
 from runtime.protocol import GenerateRequest, GraphHints, SamplingParams
 
@@ -64,6 +64,10 @@ class StreamExecutor:
         self._events: dict[str, threading.Event] = {}
         self._events_lock = threading.Lock()
         self._woken = False  # after wake_all, new Events start set and new streams ended
+        # a name may be defined again (an agent's gen("step") each round): a read waits for
+        # the last definition submitted, so the counts are kept beside the Events
+        self._num_defining: dict[str, int] = {}  # submitted definitions per name
+        self._num_defined: dict[str, int] = {}  # of those, run
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0
         self._num_queued_requests = 0  # gen/select/fork nodes submitted and not yet run
@@ -90,9 +94,15 @@ class StreamExecutor:
         """Queue a node for the worker; returns at once."""
         if isinstance(node, Gen | Select) and node.name is not None:
             self.declared.add(node.name)
+            self._will_define(node.name)
+            if isinstance(node, Gen) and node.reasoning_var is not None:
+                self.declared.add(node.reasoning_var)
+                self._will_define(node.reasoning_var)
         elif isinstance(node, Join):  # its gathered variables can be read right after the join
-            for branch in self.forks[node.fork_id].branches:
-                self.declared |= branch.declared
+            gathered = set().union(*(b.declared for b in self.forks[node.fork_id].branches))
+            self.declared |= gathered
+            for name in gathered:
+                self._will_define(name)
         with self._idle:
             self._pending += 1
             self._num_queued_requests += isinstance(node, _REQUEST_NODES)
@@ -117,7 +127,9 @@ class StreamExecutor:
                 f"no gen/select defines {name!r} in this state; defined: {known}"
             )
         self._event(name).wait()
-        if name not in self.variables:
+        with self._events_lock:
+            pending = self._num_defined.get(name, 0) < self._num_defining.get(name, 0)
+        if name not in self.variables or pending:  # woken by a failure, not by its value
             cause = self.error or self.ctx.error
             if isinstance(cause, FlowlangError):
                 raise cause
@@ -134,17 +146,28 @@ class StreamExecutor:
 
     def _event(self, name: str) -> threading.Event:
         with self._events_lock:
-            event = self._events.get(name)
-            if event is None:
-                event = self._events[name] = threading.Event()
-                if self._woken:
-                    event.set()
-            return event
+            return self._event_locked(name)
 
-    def set(self, name: str, value: Any) -> None:
+    def _event_locked(self, name: str) -> threading.Event:
+        event = self._events.get(name)
+        if event is None:
+            event = self._events[name] = threading.Event()
+            if self._woken:
+                event.set()
+        return event
+
+    def set(self, name: str, value: Any, meta: dict[str, Any] | None = None) -> None:
         """Define variable `name` now (readers waiting for it get `value`)."""
         self.declared.add(name)
-        self._define(name, value, {})
+        self._will_define(name)
+        self._define(name, value, meta or {})
+
+    def _will_define(self, name: str) -> None:
+        """A definition of `name` is coming: reads wait for it (and not an earlier value)."""
+        with self._events_lock:
+            self._num_defining[name] = self._num_defining.get(name, 0) + 1
+            if not self._woken:
+                self._event_locked(name).clear()
 
     def meta(self, name: str) -> dict[str, Any]:
         """What the node that defined `name` reported, once it ran."""
@@ -230,9 +253,13 @@ class StreamExecutor:
         else:
             raise ProgramError(f"unknown node {node!r}")
 
-    def _hints(self, next_turn_after_s: float | None = None) -> GraphHints:
+    def _hints(
+        self, next_turn_after_s: float | None = None, waits_on_tools: bool = False
+    ) -> GraphHints:
         group_id, group_size = self.fork_group or (None, None)
-        continuation = self._num_queued_requests > 1
+        # a gen with tools pauses this branch until its calls return: the program goes on
+        # extending this sequence once they have run, whatever it has queued so far
+        continuation = waits_on_tools or self._num_queued_requests > 1
         return GraphHints(
             program_id=self.ctx.program_id,
             branch_id=self.branch_id,
@@ -258,11 +285,18 @@ class StreamExecutor:
     def _gen(self, node: Gen) -> None:
         if not self.content.ids:
             raise ProgramError(f"gen({node.name!r}) needs a prompt: add text first")
+        fmt = output_format(node, self.ctx.backend, self.content.text)
+        waits_on_tools = bool(node.tools) and node.tool_choice != "none"
+        next_turn_after_s = node.next_turn_after_s
+        if next_turn_after_s is None and waits_on_tools:  # the slowest tool it may call
+            next_turn_after_s = max(
+                (t.latency_s for t in node.tools if t.latency_s is not None), default=None
+            )
         request = GenerateRequest(
             input_ids=list(self.content.ids),
             sampling=self._params(node),
-            constraint=node.constraint,
-            hints=self._hints(node.next_turn_after_s),
+            constraint=fmt.constraint,
+            hints=self._hints(next_turn_after_s, waits_on_tools),
             namespace=self.ctx.namespace,
         )
         handle = self.ctx.backend.generate(request)
@@ -281,11 +315,14 @@ class StreamExecutor:
         self.content.append(result.text, appended_ids(result, self.ctx.backend))
         meta = gen_meta(result)
         try:
-            value = parse_output(node, result)
+            value = read_output(node, fmt, result, meta, self.content.num_calls)
         except InvalidOutputError:
             if node.name is not None:
                 self.metadata[node.name] = meta  # the raw output stays inspectable
             raise
+        self.content.num_calls += len(meta.get("tool_calls", ()))
+        if node.reasoning_var is not None:
+            self._define(node.reasoning_var, meta.get("reasoning"), meta)
         self._define(node.name, value, meta)
 
     def _select(self, node: Select) -> None:
@@ -316,7 +353,7 @@ class StreamExecutor:
         record = self.forks[node.fork_id]
         for branch in record.branches:
             branch.sync()
-        names = {n for b in record.branches for n in b.variables}
+        names = {n for b in record.branches for n in (*b.variables, *b.declared)}
         for name in sorted(names):  # both modes gather the branches' variables into lists
             self._define(
                 name,
@@ -336,6 +373,9 @@ class StreamExecutor:
     def _define(self, name: str | None, value: Any, meta: dict[str, Any]) -> None:
         if name is None:  # an anonymous gen/select: its text is appended, nothing is kept
             return
-        self.variables[name] = value
-        self.metadata[name] = meta
-        self._event(name).set()
+        with self._events_lock:
+            self.variables[name] = value
+            self.metadata[name] = meta
+            self._num_defined[name] = self._num_defined.get(name, 0) + 1
+            if self._num_defined[name] >= self._num_defining.get(name, 0):
+                self._event_locked(name).set()

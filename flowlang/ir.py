@@ -11,9 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from flowlang.tools import Tool
 from runtime.protocol import Constraint, SamplingParams
 
 JOIN_MODES = ("gather", "concat")
+TOOL_CHOICES = ("auto", "required", "none")  # or the name of one of the offered tools
 
 
 class Seq(tuple):
@@ -60,8 +62,27 @@ class Text(_Joinable):
 
 
 @dataclass(frozen=True)
+class ToolOutput:
+    call_id: str
+    name: str
+    content: str  # the result as the model reads it
+
+
+@dataclass(frozen=True)
+class ToolResult(Text):
+    """The results of one round of tool calls, as the tool messages that follow the call.
+
+    A Text (`text` holds the contents, for previews) so that everything that renders a
+    stream's text, tracing included, renders it through the Renderer, which knows the kind.
+    """
+
+    outputs: tuple[ToolOutput, ...] = ()
+
+
+@dataclass(frozen=True)
 class RoleBegin(_Joinable):
     role: str  # "system" | "user" | "assistant" (any role the chat template knows)
+    tools: tuple[Tool, ...] = ()  # tool definitions the message shows the model
 
 
 @dataclass(frozen=True)
@@ -77,6 +98,12 @@ class Gen(_Joinable):
     parse: Callable[[str], Any] | None = None  # text -> the value s[name] holds (typed gens)
     parse_label: str = ""  # what `parse` produces, for error messages
     next_turn_after_s: float | None = None  # declared delay before this state's next request
+    tools: tuple[Tool, ...] = ()  # the model may call these; the constraint is built at run time
+    tool_choice: str = "auto"  # one of TOOL_CHOICES or an offered tool's name
+    parallel_tool_calls: bool = True
+    reasoning: bool | str = False  # True: the backend's reasoning format; a str: that format
+    reasoning_var: str | None = None  # also define this variable as the reasoning (SGLang's)
+    max_reasoning_tokens: int | None = None  # the reasoning block is closed at this length
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -10,9 +11,20 @@ from typing import Any
 import jinja2
 
 from flowlang.errors import ProgramError
-from flowlang.ir import Gen, Node, RoleBegin, RoleEnd, Select, Text
+from flowlang.ir import (
+    TOOL_CHOICES,
+    Gen,
+    Node,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    Text,
+    ToolOutput,
+    ToolResult,
+)
 from flowlang.selection import METHODS, ChoicesMethod, method_name
-from runtime.protocol import Constraint, SamplingParams
+from flowlang.tools import Call, Tool, as_tools, result_text
+from runtime.protocol import Constraint, SamplingParams, ToolCall
 
 INT_REGEX = r"-?(0|[1-9][0-9]{0,17})"
 FLOAT_REGEX = r"-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,8})?"
@@ -26,6 +38,11 @@ def gen(
     choices: Sequence[str] | None = None,
     grammar: str | None = None,
     next_turn_after_s: float | None = None,
+    tools: Sequence[Any] | None = None,
+    tool_choice: str | Tool = "auto",
+    parallel_tool_calls: bool = True,
+    reasoning: bool | str = False,
+    max_reasoning_tokens: int | None = None,
     **sampling: Any,
 ) -> Gen:
     """Generate into variable `name`; keyword arguments are SamplingParams fields.
@@ -36,12 +53,26 @@ def gen(
     `next_turn_after_s`: the program's next request on this state comes about this long after
     this one finishes (a tool call, a user's reply); the engine keeps sooner returns cached.
 
+    `tools` (Tools, functions or pydantic model classes): the model may call them (`tool_choice`
+    "auto"), must ("required", or one tool's name or Tool: that one) or may not ("none");
+    s[name] is then a list of `Call`s when it called, else its text. `reasoning=True` (or a
+    format's name, "think" / "deepseek-r1") splits off a `<think>` block: s[name] is the
+    answer after it, s.meta(name)["reasoning"] the reasoning, and a constraint applies to the
+    answer only; `max_reasoning_tokens` closes the block at that length.
+
     >>> gen("answer", max_new_tokens=32, stop="\\n").params.max_new_tokens
     32
     """
     _check_name(name)
     if next_turn_after_s is not None and not next_turn_after_s >= 0:
         raise ProgramError(f"gen({name!r}): next_turn_after_s must be >= 0 seconds")
+    reasoning = _check_reasoning(name, reasoning)
+    if max_reasoning_tokens is not None:
+        if not reasoning:
+            raise ProgramError(f"gen({name!r}): max_reasoning_tokens needs reasoning=True")
+        if not isinstance(max_reasoning_tokens, int) or max_reasoning_tokens < 1:
+            raise ProgramError(f"gen({name!r}): max_reasoning_tokens must be a positive int")
+    thinking = {"reasoning": reasoning, "max_reasoning_tokens": max_reasoning_tokens}
     try:
         params = SamplingParams(**sampling)
     except ValueError as err:
@@ -58,8 +89,30 @@ def gen(
     }
     if len(given) > 1:
         raise ProgramError(f"gen({name!r}) takes one constraint, got {sorted(given)}")
+    if tools is not None:
+        if given:
+            raise ProgramError(
+                f"gen({name!r}): tools= constrains the output to text or calls; it cannot be "
+                f"combined with {next(iter(given))}= (give the answer's format as a tool, a "
+                f"pydantic model class, instead)"
+            )
+        offered = as_tools(tools, f"gen({name!r})")
+        if not offered:
+            raise ProgramError(f"gen({name!r}): tools= is empty; leave it out for plain text")
+        choice = _check_tool_choice(name, tool_choice, offered)
+        return Gen(
+            name,
+            params,
+            next_turn_after_s=next_turn_after_s,
+            tools=offered,
+            tool_choice=choice,
+            parallel_tool_calls=bool(parallel_tool_calls),
+            **thinking,
+        )
+    if tool_choice != "auto":
+        raise ProgramError(f"gen({name!r}): tool_choice={tool_choice!r} needs tools=[...]")
     if not given:
-        return Gen(name, params, next_turn_after_s=next_turn_after_s)
+        return Gen(name, params, next_turn_after_s=next_turn_after_s, **thinking)
     kind, value = next(iter(given.items()))
     parse, label = None, ""
     if kind == "regex":
@@ -76,19 +129,48 @@ def gen(
         constraint = Constraint(choices=list(value))
     else:
         constraint = Constraint(grammar=value)
-    return Gen(name, params, constraint, parse, label, next_turn_after_s)
+    return Gen(name, params, constraint, parse, label, next_turn_after_s, **thinking)
 
 
 def gen_int(name: str | None = None, **sampling: Any) -> Gen:
     """Generate an integer; s[name] is an int."""
     node = gen(name, regex=INT_REGEX, **sampling)
-    return Gen(node.name, node.params, node.constraint, int, "int", node.next_turn_after_s)
+    return dataclasses.replace(node, parse=int, parse_label="int")
 
 
 def gen_float(name: str | None = None, **sampling: Any) -> Gen:
     """Generate a decimal number; s[name] is a float."""
     node = gen(name, regex=FLOAT_REGEX, **sampling)
-    return Gen(node.name, node.params, node.constraint, float, "float", node.next_turn_after_s)
+    return dataclasses.replace(node, parse=float, parse_label="float")
+
+
+def _check_tool_choice(name: str | None, choice: Any, tools: tuple[Tool, ...]) -> str:
+    """The tool choice as a string: one of TOOL_CHOICES or an offered tool's name."""
+    if isinstance(choice, Tool):
+        choice = choice.name
+    names = [t.name for t in tools]
+    if not isinstance(choice, str) or (choice not in TOOL_CHOICES and choice not in names):
+        raise ProgramError(
+            f"gen({name!r}): tool_choice must be one of {list(TOOL_CHOICES)} or an offered "
+            f"tool's name {names}, got {choice!r}"
+        )
+    return choice
+
+
+def _check_reasoning(name: str | None, reasoning: Any) -> bool | str:
+    """`reasoning` checked: a bool, or a known reasoning format's name."""
+    if isinstance(reasoning, bool):
+        return reasoning
+    if not isinstance(reasoning, str):
+        raise ProgramError(
+            f"gen({name!r}): reasoning must be True/False or a format's name, got {reasoning!r}"
+        )
+    from runtime.constrain.reasoning import UnknownReasoningFormat, reasoning_format
+
+    try:
+        return reasoning_format(reasoning).name
+    except UnknownReasoningFormat as err:
+        raise ProgramError(f"gen({name!r}): {err}") from err
 
 
 def _schema_constraint(name: str, schema: Any):
@@ -131,21 +213,65 @@ def select(
     return Select(name, tuple(choices), known)
 
 
-def system(*content: Any) -> list[Node]:
-    return role("system", *content)
+def system(*content: Any, tools: Sequence[Any] | None = None) -> list[Node]:
+    """A system message; with `tools`, their definitions too (see `role`)."""
+    return role("system", *content, tools=tools)
 
 
-def user(*content: Any) -> list[Node]:
-    return role("user", *content)
+def user(*content: Any, tools: Sequence[Any] | None = None) -> list[Node]:
+    """A user message."""
+    return role("user", *content, tools=tools)
 
 
 def assistant(*content: Any) -> list[Node]:
+    """An assistant message."""
     return role("assistant", *content)
 
 
-def role(name: str, *content: Any) -> list[Node]:
-    """A chat message: the model's chat template decides the text around `content`."""
-    return [RoleBegin(name), *to_nodes(list(content)), RoleEnd(name)]
+def role(name: str, *content: Any, tools: Sequence[Any] | None = None) -> list[Node]:
+    """A chat message: the model's chat template decides the text around `content`.
+
+    With `tools`, the message shows the model their definitions: as its chat template renders
+    them when the template knows tools, else as a "# Tools" section after the content (the
+    definitions and one call written in the model's tool format).
+
+    >>> [type(n).__name__ for n in role("system", "Be brief.")]
+    ['RoleBegin', 'Text', 'RoleEnd']
+    """
+    return [role_begin(name, tools), *to_nodes(list(content)), RoleEnd(name)]
+
+
+def role_begin(name: str, tools: Sequence[Any] | None = None) -> RoleBegin:
+    """The start of a `name` message (with the definitions of `tools`, if given)."""
+    if tools is None:
+        return RoleBegin(name)
+    offered = as_tools(tools, f"{name} message")
+    if not offered:
+        raise ProgramError(f"a {name} message got tools=[]; leave tools= out")
+    return RoleBegin(name, offered)
+
+
+def tool_result(call: Call | ToolCall, value: Any) -> ToolResult:
+    """The result of `call` as a tool message (text as is, anything else as JSON); add it after
+    the assistant message that made the call.
+
+    >>> from flowlang.tools import tool
+    >>> call = tool(lambda x: x, name="echo").call({"x": 1}, "call_0")
+    >>> tool_result(call, {"ok": True}).outputs[0].content
+    '{"ok": true}'
+    """
+    if not isinstance(call, Call | ToolCall):
+        raise ProgramError(
+            f"tool_result() takes the Call it answers (from s[name] of a gen with tools), "
+            f"got {type(call).__name__}"
+        )
+    return tool_results([(call, result_text(value))])
+
+
+def tool_results(outputs: Sequence[tuple[Call | ToolCall, str]]) -> ToolResult:
+    """Several calls' results (as text), in call order: the tool messages of one round."""
+    items = tuple(ToolOutput(call.id, call.name, content) for call, content in outputs)
+    return ToolResult("\n".join(o.content for o in items), items)
 
 
 def fewshot(template: str, examples: Iterable[Mapping[str, Any]], **context: Any) -> Text:

@@ -1,13 +1,106 @@
-"""What a finished gen puts into its state: the tokens appended, the value and its meta."""
+"""What a gen asks of the engine and what its result puts into its state: the constraint it
+decodes under (built when it runs: tool calls and reasoning depend on the backend's model),
+then the tokens appended, the value and its meta.
+
+A gen with tools decodes under the tool format's structural tag (free text, and any call held
+to a real tool and its schema); with reasoning, its constraint applies after the `</think>`.
+The output stays in the state as decoded; only the value is taken apart.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from flowlang.backends.base import Backend
-from flowlang.errors import InvalidOutputError
+from flowlang.errors import InvalidOutputError, ProgramError
 from flowlang.ir import Gen
-from runtime.protocol import GenerateResult
+from flowlang.tools import calls_from
+from runtime.protocol import Constraint, GenerateResult, ToolCall
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """One gen's output format, resolved against the backend: what constrains the decoding
+    and how its text is taken apart (reasoning block, tool calls)."""
+
+    constraint: Constraint | None
+    reasoning: Any = None  # a runtime ReasoningFormat, or None
+    in_reasoning: bool = False  # the prompt already opened the reasoning block
+    tool_format: Any = None  # a runtime ToolFormat (a gen with tools), or None
+
+
+def output_format(node: Gen, backend: Backend, prompt_text: str) -> OutputFormat:
+    """How `node` decodes on `backend` after `prompt_text`."""
+    if not node.tools and not node.reasoning:
+        return OutputFormat(node.constraint)
+    from runtime.constrain.tool_calls import InvalidTools, answer_after_reasoning, tool_format
+
+    reasoning = _reasoning_format(node, backend)
+    # deepseek-r1 outputs start inside the block even when the prompt has not opened it (as
+    # SGLang's parser reads them); "think" outputs do when the prompt opened one
+    in_reasoning = reasoning is not None and (
+        reasoning.name == "deepseek-r1" or reasoning.in_reasoning(prompt_text)
+    )
+    budget = node.max_reasoning_tokens
+    if node.tools and node.tool_choice == "none":  # shown, not to be called: no call starts
+        no_call = {"type": "any_text", "excludes": [tool_format(backend.tool_format).trigger]}
+        if reasoning is None:
+            tag = {"type": "structural_tag", "format": no_call}
+        else:
+            tag = answer_after_reasoning(no_call, reasoning, in_reasoning, budget)
+        return OutputFormat(Constraint(structural_tag=tag), reasoning, in_reasoning)
+    if node.tools:
+        tools_format = tool_format(backend.tool_format)
+        try:
+            tag = tools_format.structural_tag(
+                [t.spec for t in node.tools],
+                choice=node.tool_choice,
+                parallel=node.parallel_tool_calls,
+                reasoning=reasoning,
+                in_reasoning=in_reasoning,
+                reasoning_budget=budget,
+            )
+        except InvalidTools as err:
+            raise ProgramError(f"gen({node.name!r}): {err}") from err
+        return OutputFormat(Constraint(structural_tag=tag), reasoning, in_reasoning, tools_format)
+    constraint = node.constraint
+    if constraint is not None or budget is not None:  # the answer's format, after the block
+        answer = None if constraint is None else _answer_format(constraint)
+        tag = answer_after_reasoning(answer, reasoning, in_reasoning, budget)
+        constraint = Constraint(structural_tag=tag)
+    return OutputFormat(constraint, reasoning, in_reasoning)
+
+
+def _reasoning_format(node: Gen, backend: Backend) -> Any:
+    if not node.reasoning:
+        return None
+    from runtime.constrain.reasoning import reasoning_format
+
+    name = node.reasoning if isinstance(node.reasoning, str) else backend.reasoning_format
+    if name is None:
+        raise ProgramError(
+            f"gen({node.name!r}, reasoning=True): the backend's model has no reasoning format "
+            f"(its chat template shows no <think> block); name one: reasoning='think' (the "
+            f"model opens the block) or reasoning='deepseek-r1' (the prompt opens it)"
+        )
+    return reasoning_format(name)
+
+
+def _answer_format(constraint: Constraint) -> dict:
+    """A constraint as an xgrammar structural-tag format (for the answer after reasoning)."""
+    if constraint.regex is not None:
+        return {"type": "regex", "pattern": constraint.regex}
+    if constraint.json_schema is not None:
+        return {"type": "json_schema", "json_schema": constraint.json_schema}
+    if constraint.choices is not None:
+        return {
+            "type": "or",
+            "elements": [{"type": "const_string", "value": c} for c in constraint.choices],
+        }
+    if constraint.grammar is not None:
+        return {"type": "grammar", "grammar": constraint.grammar}
+    return constraint.structural_tag["format"]
 
 
 def appended_ids(result: GenerateResult, backend: Backend) -> list[int]:
@@ -38,20 +131,55 @@ def gen_meta(result: GenerateResult) -> dict[str, Any]:
     }
 
 
-def parse_output(node: Gen, result: GenerateResult) -> Any:
-    """The value `s[name]` holds: the text, or what a typed gen's parser makes of it."""
-    if node.parse is None:
-        return result.text
+def read_output(
+    node: Gen, fmt: OutputFormat, result: GenerateResult, meta: dict[str, Any], num_calls: int
+) -> Any:
+    """The value `s[name]` holds; fills `meta` with the reasoning, content and tool calls.
+    `num_calls`: calls the state made before (call ids go on from there)."""
+    answer = result.text
+    if fmt.reasoning is not None:
+        meta["reasoning"], answer = fmt.reasoning.split(result.text, fmt.in_reasoning)
+    if fmt.tool_format is None:
+        if node.tools:  # tool_choice "none": text only
+            meta["content"], meta["tool_calls"] = answer, []
+        return parse_output(node, result, answer)
+    parsed = fmt.tool_format.parse(answer, [t.spec for t in node.tools])
+    # ids numbered in the state, not random: the same run gives the same prompts (and cache)
+    wire = [
+        ToolCall(id=f"call_{num_calls + i}", name=c.name, arguments=c.arguments)
+        for i, c in enumerate(parsed.calls)
+    ]
+    meta["content"], meta["tool_calls"] = parsed.content, wire
     try:
-        return node.parse(result.text)
-    except ValueError as err:  # pydantic's ValidationError is a ValueError
-        cut = (
-            f"cut by max_new_tokens={node.params.max_new_tokens}"
-            if result.finish_reason == "length"
-            else f"ended by {result.finish_reason}"
-        )
+        calls = calls_from(wire, node.tools)
+    except InvalidOutputError as err:
+        raise InvalidOutputError(f"gen({node.name!r}) {_ending(node, result)}: {err}") from err
+    if not calls and node.tool_choice not in ("auto", "none"):
         raise InvalidOutputError(
-            f"gen({node.name!r}) {cut} after {result.completion_tokens} tokens; its text "
-            f"is not a valid {node.parse_label}: {str(err).splitlines()[0]}; raw text: "
-            f"{result.text!r}"
+            f"gen({node.name!r}, tool_choice={node.tool_choice!r}) {_ending(node, result)} "
+            f"after {result.completion_tokens} tokens without a complete tool call; raise "
+            f"max_new_tokens; raw text: {result.text!r}"
+        )
+    return calls or parsed.content
+
+
+def parse_output(node: Gen, result: GenerateResult, text: str | None = None) -> Any:
+    """The value `s[name]` holds: the text (`text`: the answer part of the result's), or what
+    a typed gen's parser makes of it."""
+    text = result.text if text is None else text
+    if node.parse is None:
+        return text
+    try:
+        return node.parse(text)
+    except ValueError as err:  # pydantic's ValidationError is a ValueError
+        raise InvalidOutputError(
+            f"gen({node.name!r}) {_ending(node, result)} after {result.completion_tokens} "
+            f"tokens; its text is not a valid {node.parse_label}: {str(err).splitlines()[0]}; "
+            f"raw text: {result.text!r}"
         ) from err
+
+
+def _ending(node: Gen, result: GenerateResult) -> str:
+    if result.finish_reason == "length":
+        return f"cut by max_new_tokens={node.params.max_new_tokens}"
+    return f"ended by {result.finish_reason}"

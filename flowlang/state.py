@@ -15,8 +15,9 @@ from typing import Any, Protocol, TypeVar
 
 from flowlang.content import Content
 from flowlang.errors import ProgramError, UnknownVariableError
-from flowlang.ir import JOIN_MODES, Join, Node, RoleBegin, RoleEnd
-from flowlang.primitives import to_nodes
+from flowlang.ir import JOIN_MODES, Join, Node, RoleEnd
+from flowlang.primitives import role_begin, to_nodes, tool_results
+from flowlang.tools import Call, ToolRun, run_calls
 
 T = TypeVar("T")
 
@@ -36,8 +37,8 @@ class Executor(Protocol):
     def get(self, name: str) -> Any:
         """The value of variable `name`, once the node that defines it ran."""
 
-    def set(self, name: str, value: Any) -> None:
-        """Define variable `name` now."""
+    def set(self, name: str, value: Any, meta: dict[str, Any] | None = None) -> None:
+        """Define variable `name` now (with `meta`, what s.meta(name) reports)."""
 
     def meta(self, name: str) -> dict[str, Any]:
         """What the node that defined `name` reported (tokens, scores, ...)."""
@@ -76,17 +77,19 @@ class ProgramState:
         return self
 
     @contextlib.contextmanager
-    def role(self, name: str) -> Iterator[ProgramState]:
-        """`with s.user(): s += ...` builds one message."""
-        self._executor.submit(RoleBegin(name))
+    def role(self, name: str, tools: Sequence[Any] | None = None) -> Iterator[ProgramState]:
+        """`with s.user(): s += ...` builds one message (showing `tools`, if given)."""
+        self._executor.submit(role_begin(name, tools))
         try:
             yield self
         finally:
             self._executor.submit(RoleEnd(name))
 
-    def system(self) -> contextlib.AbstractContextManager[ProgramState]:
-        """A system message: `with s.system(): ...`."""
-        return self.role("system")
+    def system(
+        self, tools: Sequence[Any] | None = None
+    ) -> contextlib.AbstractContextManager[ProgramState]:
+        """A system message: `with s.system(): ...` (`tools`: their definitions too)."""
+        return self.role("system", tools)
 
     def user(self) -> contextlib.AbstractContextManager[ProgramState]:
         """A user message: `with s.user(): ...`."""
@@ -104,6 +107,65 @@ class ProgramState:
         branches = [type(self)(executor, fork_id) for executor in executors]
         self._forks[fork_id] = branches
         return list(branches)
+
+    def run_tools(self, calls: Sequence[Call], name: str = "tool_results") -> list[Any]:
+        """Run `calls` (s[name] of a gen with tools) at once on a thread pool and append their
+        results, in call order, as the tool messages after the assistant's message.
+
+        A tool that raises gives the model `{"error": "..."}` instead of ending the program.
+        Variable `name` gets the results (an exception for a failed call); its meta holds
+        "calls", "errors" (call id -> exception) and "texts" (what the model reads).
+
+        >>> with s.assistant():                 # doctest: +SKIP
+        ...     s += gen("step", tools=[calculator])
+        >>> if not isinstance(s["step"], str):  # doctest: +SKIP
+        ...     s.run_tools(s["step"])
+        """
+        if isinstance(calls, str | Call) or not all(isinstance(c, Call) for c in calls):
+            raise ProgramError(
+                "run_tools() takes the list of Calls of a gen with tools (s[name] when the "
+                "model called; check `isinstance(s[name], str)` first: that is a text answer)"
+            )
+        # the calls' message must have run (and a trace stops here: tools run only in a run)
+        self._settle("the results of tool calls")
+        runs: list[ToolRun] = run_calls(list(calls))
+        if runs:
+            self._executor.submit(tool_results([(r.call, r.text) for r in runs]))
+        values = [r.value if r.error is None else r.error for r in runs]
+        meta = {
+            "calls": [r.call for r in runs],
+            "errors": {r.call.id: r.error for r in runs if r.error is not None},
+            "texts": [r.text for r in runs],
+        }
+        self._executor.set(name, values, meta)
+        return values
+
+    def fork_tools(self, calls: Sequence[Call], name: str = "tool_result") -> list[ProgramState]:
+        """Parallel calls as fork branches: the calls run at once, and branch i holds call i's
+        result as its tool message, so each goes on with its own model work from a prefix
+        computed once and pinned (then `join` them as any fork's branches).
+
+        Variable `name` of branch i is call i's result (an exception for a failed call).
+
+        >>> branches = s.fork_tools(s["step"])  # doctest: +SKIP
+        >>> for b in branches:                  # doctest: +SKIP
+        ...     b += assistant(gen("summary", max_new_tokens=32))
+        >>> s.join(branches)                    # doctest: +SKIP
+        """
+        is_calls = not isinstance(calls, str | Call) and all(isinstance(c, Call) for c in calls)
+        if not calls or not is_calls:
+            raise ProgramError(
+                "fork_tools() takes the non-empty list of Calls of a gen with tools (s[name] "
+                "when the model called)"
+            )
+        self._settle("the results of tool calls")
+        runs: list[ToolRun] = run_calls(list(calls))
+        branches = self.fork(len(runs))
+        for branch, run in zip(branches, runs, strict=True):
+            branch._executor.submit(tool_results([(run.call, run.text)]))
+            value = run.value if run.error is None else run.error
+            branch._executor.set(name, value, {"call": run.call, "error": run.error})
+        return branches
 
     def join(self, branches: list[ProgramState], mode: str = "gather") -> None:
         """Wait for `branches` and gather their variables into lists on this state; with

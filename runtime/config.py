@@ -67,6 +67,16 @@ class EngineConfig(BaseModel):
     record_trace: bool = Field(
         False, description="keep the cache access trace (admissions, inserts) for offline replay"
     )
+    tool_call_parser: str | None = Field(
+        None,
+        description="how the model writes tool calls: hermes (Qwen), llama3 or mistral; "
+        "default: read off the chat template (hermes when it knows no tools)",
+    )
+    reasoning_parser: str | None = Field(
+        None,
+        description="how the model writes its reasoning: think (<think>...</think>), "
+        "deepseek-r1 (the prompt opens the block), or none; default: read off the template",
+    )
     adapt_cpu_threads: bool = Field(
         True,
         description="on CPU, run as many threads as other processes leave cores free "
@@ -84,6 +94,22 @@ class EngineConfig(BaseModel):
         if value not in choices:
             raise ValueError(f"unknown {info.field_name} {value!r}; choose from {tuple(choices)}")
         return value
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_format(cls, value: str | None) -> str | None:
+        from runtime.constrain.tool_calls import tool_format
+
+        return None if value is None else tool_format(value).name
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_format(cls, value: str | None) -> str | None:
+        from runtime.constrain.reasoning import reasoning_format
+
+        if value is None or value == "none":
+            return value
+        return reasoning_format(value).name
 
     @field_validator("device")
     @classmethod

@@ -25,6 +25,7 @@ import torch
 from runtime.cache.events import KVEventPublisher, KVEventSubscription
 from runtime.cache.view import CacheView, build_cache_view
 from runtime.config import EngineConfig
+from runtime.constrain.formats import model_reasoning_format, model_tool_format
 from runtime.cpu_share import CpuShare
 from runtime.errors import EngineClosedError, InvalidRequestError, error_for_kind
 from runtime.handles import PinHandle, RequestHandle
@@ -241,6 +242,16 @@ class Engine:
             }
 
         return self._call_in_loop(collect)
+
+    @property
+    def tool_format(self) -> str:
+        """How this model writes tool calls: configured, or read off the chat template."""
+        return model_tool_format(self.config, self.tokenizer)
+
+    @property
+    def reasoning_format(self) -> str | None:
+        """How this model writes its reasoning, or None."""
+        return model_reasoning_format(self.config, self.tokenizer)
 
     def summary(self) -> EngineSummary:
         """What this engine is: model, family, device, dtype, KV pool, kernels (startup lines)."""

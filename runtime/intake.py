@@ -175,7 +175,7 @@ class RequestIntake:
             if self._grammars is None:
                 if self.tokenizer is None:
                     raise InvalidRequestError("constrained generation needs a tokenizer")
-                from runtime.model.constrained import GrammarCache
+                from runtime.constrain.grammar import GrammarCache
 
                 self._grammars = GrammarCache(
                     self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids
@@ -186,7 +186,7 @@ class RequestIntake:
         """Compile the request's constraint now, so a bad one fails at submit."""
         if request.constraint is None:
             return None
-        from runtime.model.constrained import InvalidConstraintError, check_nesting
+        from runtime.constrain.grammar import InvalidConstraintError, check_nesting
 
         try:
             check_nesting(request.constraint)

@@ -117,8 +117,12 @@ class SamplingParams(_Frozen):
         )
 
 
+CONSTRAINT_KINDS = ("regex", "json_schema", "choices", "grammar", "structural_tag")
+
+
 class Constraint(_Frozen):
-    """Structured output: exactly one of regex, JSON schema, choices or an EBNF grammar.
+    """Structured output: exactly one of regex, JSON schema, choices, an EBNF grammar or an
+    xgrammar structural tag (free text and tagged parts: tool calls, a reasoning block).
 
     The engine compiles it at submit (xgrammar) and masks every sampled token with it.
     """
@@ -127,16 +131,50 @@ class Constraint(_Frozen):
     json_schema: dict | None = None
     choices: list[str] | None = None
     grammar: str | None = None
+    structural_tag: dict | None = Field(
+        None, description='xgrammar\'s structural tag JSON: {"type": "structural_tag", ...}'
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Constraint:
-        given = [k for k in ("regex", "json_schema", "choices", "grammar") if getattr(self, k)]
+        given = [k for k in CONSTRAINT_KINDS if getattr(self, k)]
         if len(given) != 1:
             raise ValueError(
-                f"a constraint needs exactly one of regex/json_schema/choices/grammar, "
+                f"a constraint needs exactly one of {'/'.join(CONSTRAINT_KINDS)}, "
                 f"got {given or 'none'}"
             )
         return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in CONSTRAINT_KINDS if getattr(self, k))
+
+
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class ToolSpec(_Frozen):
+    """A function the model may call: its name, what it does, its arguments' JSON schema.
+
+    >>> ToolSpec(name="clock").parameters
+    {'type': 'object', 'properties': {}}
+    """
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str = ""
+    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool = Field(
+        False,
+        description="OpenAI's strict mode; calls are always constrained to the schema here",
+    )
+
+
+class ToolCall(_Frozen):
+    """One call the model made: an id, the function's name, its arguments as a JSON text."""
+
+    id: str
+    name: str
+    arguments: str = Field(description="a JSON object, as OpenAI sends function.arguments")
 
 
 class GraphHints(_Frozen):

@@ -416,3 +416,51 @@ def test_a_cancelled_score_is_stopped_on_its_replica(fresh):
         time.sleep(0.05)
     small = ScoreRequest(prefix=list(range(300, 340)), continuations=[[5, 6]])
     assert len(front.scorer.score(small).token_logprobs) == 1
+
+
+def test_tool_calls_through_the_front_equal_one_engine(fresh, single):
+    """`--replicas`: tools, tool_choice and the history pass through the front; the greedy
+    calls (and streamed deltas) equal one engine's."""
+    from conftest import ServerThread
+    from openai import OpenAI
+
+    from runtime.cluster.front import ClusterEngine
+
+    add = {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["a"],
+            },
+        },
+    }
+    kwargs = dict(
+        model="m",
+        messages=[{"role": "user", "content": "Add."}],
+        tools=[add],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=40,
+        temperature=0,
+    )
+    answers = {}
+    for name in ("front", "one"):  # stopping a server stops its engine: `single` is kept
+        front = name == "front"
+        engine = ClusterEngine(fresh, owns_cluster=False) if front else Engine(single.config)
+        thread = ServerThread(engine)
+        try:
+            oc = OpenAI(base_url=thread.url + "/v1", api_key="unused", max_retries=0)
+            call = oc.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+            streamed = "".join(
+                d.function.arguments or ""
+                for chunk in oc.chat.completions.create(**kwargs, stream=True)
+                for d in chunk.choices[0].delta.tool_calls or []
+            )
+            assert streamed == call.function.arguments
+            answers[name] = (call.function.name, call.function.arguments)
+        finally:
+            thread.stop()
+    assert answers["front"] == answers["one"] and answers["one"][0] == "add"

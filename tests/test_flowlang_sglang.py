@@ -315,7 +315,7 @@ def comparable(value):
 
 
 # shared programs flowlang.sglang refuses by design (SGLang's frontend runs them on our server)
-MISSING = {"separate_reasoning": "no reasoning parser"}
+MISSING: dict[str, str] = {}
 
 
 def run_all(backend) -> dict:

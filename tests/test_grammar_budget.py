@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.model import constrained
-from runtime.model.constrained import GrammarCache, InvalidConstraintError, check_nesting
-from runtime.model.grammar_probe import GrammarProbe
+from runtime.constrain import grammar as constrained
+from runtime.constrain.grammar import GrammarCache, InvalidConstraintError, check_nesting
+from runtime.constrain.probe import GrammarProbe
 from runtime.protocol import Constraint
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.model.grammar_check import GrammarSyntaxUnknown, endless_rules
+from runtime.constrain.check import GrammarSyntaxUnknown, endless_rules
 
 
 @pytest.mark.parametrize(

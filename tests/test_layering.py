@@ -63,7 +63,7 @@ def test_runtime_never_imports_flowlang_or_programs():
 RUNTIME_LAYERS = {
     "runtime.model.runner": ("runtime.scheduler", "runtime.generation", "runtime.engine"),
     "runtime.model.sampler": ("runtime.scheduler", "runtime.generation", "runtime.engine"),
-    "runtime.model.constrained": ("runtime.scheduler", "runtime.generation", "runtime.engine"),
+    "runtime.constrain.grammar": ("runtime.scheduler", "runtime.generation", "runtime.engine"),
     "runtime.cache.radix": ("runtime.model", "runtime.scheduler", "runtime.engine"),
     "runtime.cache.base": ("runtime.model", "runtime.scheduler", "runtime.engine"),
     "runtime.cache.graph_marks": ("runtime.model", "runtime.scheduler", "runtime.engine"),
@@ -94,7 +94,15 @@ def test_runtime_lower_layers_never_load_upper_ones(module):
     assert not bad, f"importing {module} loads {bad}"
 
 
-TORCH_FREE_RUNTIME = {"runtime.protocol", "runtime.prefix", "runtime.errors", "runtime.svg"}
+TORCH_FREE_RUNTIME = {
+    "runtime.protocol",
+    "runtime.prefix",
+    "runtime.errors",
+    "runtime.svg",
+    "runtime.constrain.tool_calls",
+    "runtime.constrain.reasoning",
+    "runtime.constrain.tool_prompt",
+}
 
 
 def test_flowlang_imports_only_torch_free_runtime_modules_at_module_level():

@@ -18,6 +18,7 @@ NOTEBOOKS = {
     "batch_pipeline.ipynb": (2, 1, 0, ["prefill tokens computed", "lower bound", "independent"]),
     "structured_extraction.ipynb": (1, 0, 2, ["jumped forward"]),
     "inside_the_cache.ipynb": (5, 1, 0, ["working set", "lru:", "graph:"]),
+    "agent_pipeline.ipynb": (2, 0, 0, ["prefill tokens computed", "lower bound", "independent"]),
 }
 
 

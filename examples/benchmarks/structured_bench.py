@@ -17,8 +17,8 @@ from contextlib import contextmanager
 from flowlang.backends.local import LocalBackend
 from programs.json_extraction import TicketInfo, json_extraction, make_inputs
 from runtime.config import EngineConfig
+from runtime.constrain import grammar as constrained
 from runtime.engine import Engine
-from runtime.model import constrained
 from runtime.protocol import Constraint
 
 MODEL = "smollm2-135m-instruct"

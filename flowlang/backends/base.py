@@ -25,10 +25,14 @@ class PinLease(Protocol):
 class Backend(ABC):
     """Tokenizer, chat format and the engine calls a program needs.
 
-    Thread-safe: many program states call it concurrently.
+    Thread-safe: many program states call it concurrently. `tool_format` and
+    `reasoning_format` name how the model writes tool calls and reasoning
+    (runtime/constrain/tool_calls.py, reasoning.py); a backend reads them off its engine.
     """
 
     chat_format: ChatFormat
+    tool_format: str = "hermes"
+    reasoning_format: str | None = None
 
     @abstractmethod
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:

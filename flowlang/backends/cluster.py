@@ -56,6 +56,10 @@ class ClusterBackend(Backend):
         self.chat_format = ChatFormat(
             tokenizer.chat_template or CHATML, tokenizer.bos_token or "", tokenizer.eos_token or ""
         )
+        from runtime.constrain.formats import model_reasoning_format, model_tool_format
+
+        self.tool_format = model_tool_format(cluster.engine_config, tokenizer)  # as replicas say
+        self.reasoning_format = model_reasoning_format(cluster.engine_config, tokenizer)
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids, with the replicas' tokenizer loaded here."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -30,6 +31,16 @@ class LocalBackend(Backend):
         self.chat_format = ChatFormat(
             tokenizer.chat_template or CHATML, tokenizer.bos_token or "", tokenizer.eos_token or ""
         )
+
+    @functools.cached_property
+    def tool_format(self) -> str:  # read on first use; assignable, to override the engine's
+        """How the engine's model writes tool calls."""
+        return self.engine.tool_format
+
+    @functools.cached_property
+    def reasoning_format(self) -> str | None:
+        """How the engine's model writes its reasoning, or None."""
+        return self.engine.reasoning_format
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))

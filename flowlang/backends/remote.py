@@ -90,6 +90,8 @@ class RemoteBackend(Backend):
             info.get("bos_token") or "",
             info.get("eos_token") or "",
         )
+        self.tool_format = info.get("tool_format") or "hermes"
+        self.reasoning_format = info.get("reasoning_format")
         self._tokens: OrderedDict[tuple[str, bool], list[int]] = OrderedDict()
         self._tokenize_cache = tokenize_cache
         self._lock = threading.Lock()

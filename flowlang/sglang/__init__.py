@@ -18,10 +18,13 @@ What differs from SGLang, and what is not supported, is listed in docs of each f
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from flowlang.backends import MockBackend, get_default_backend, set_default_backend
 from flowlang.backends.base import Backend
+from flowlang.errors import ProgramError
+from flowlang.ir import Gen, Select, Seq
 from flowlang.selection import METHODS, ChoicesMethod
 from flowlang.sglang.endpoint import RuntimeEndpoint
 from flowlang.sglang.expr import (
@@ -90,9 +93,50 @@ def Runtime(*args: Any, **kwargs: Any) -> Backend:  # noqa: N802 - SGLang's name
     )
 
 
-def separate_reasoning(*args: Any, **kwargs: Any) -> Expr:
-    """Not supported: no reasoning parser in flowlang yet."""
-    raise NotSupportedError("sgl.separate_reasoning: flowlang has no reasoning parser")
+def separate_reasoning(expr: Any = None, model_type: str | None = None) -> Expr:
+    """SGLang's `separate_reasoning(gen("answer"), model_type="deepseek-r1")`: the gen's
+    `<think>` reasoning goes into variable `answer_reasoning_content`, the answer after it into
+    `answer`. `model_type`: "deepseek-r1" (the output starts inside the block), "qwen3" or
+    "think" (the model opens it), None: the backend's reasoning format.
+
+    Differs from SGLang: the state's text keeps the reasoning as it was decoded (SGLang cuts the
+    message back to the answer), so the next request extends the KV the engine already has;
+    and a constraint on the gen (regex, json_schema) applies to the answer, not the reasoning.
+
+    >>> expr = separate_reasoning(gen("answer"), model_type="deepseek-r1")
+    >>> expr[0].reasoning, expr[0].reasoning_var
+    ('deepseek-r1', 'answer_reasoning_content')
+    """
+    reasoning: bool | str = True
+    if model_type is not None:
+        from runtime.constrain.reasoning import UnknownReasoningFormat, reasoning_format
+
+        try:
+            reasoning = reasoning_format(model_type).name
+        except UnknownReasoningFormat as err:
+            raise NotSupportedError(
+                f"sgl.separate_reasoning(model_type={model_type!r}): {err}"
+            ) from err
+    if expr is None:
+        return Seq()
+    items = expr if isinstance(expr, list | tuple) else (expr,)
+    nodes = []
+    for node in items:
+        if isinstance(node, Select):
+            raise NotSupportedError(
+                f"sgl.separate_reasoning of a select ({node.name!r}): a choice holds no "
+                f"reasoning; separate the gen that writes it"
+            )
+        if isinstance(node, Gen):
+            if node.name is None:
+                raise ProgramError(
+                    "sgl.separate_reasoning needs a named gen (name must be provided)"
+                )
+            node = dataclasses.replace(
+                node, reasoning=reasoning, reasoning_var=f"{node.name}_reasoning_content"
+            )
+        nodes.append(node)
+    return Seq(nodes)
 
 
 __all__ = [

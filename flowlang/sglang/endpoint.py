@@ -91,6 +91,9 @@ class SGLangAPIBackend(Backend):
 
     Tokens come from the server's /tokenize when it has one, else from `tokenizer` (anything
     with `encode(text, add_special_tokens=)`), else from the model's folder loaded here.
+    `tool_format`/`reasoning_format` (runtime/constrain/): how the model writes tool calls and
+    reasoning; default: read off the chat template. Constraints with tools or reasoning are
+    sent as SGLang's `structural_tag` sampling parameter.
 
     >>> backend = SGLangAPIBackend("http://127.0.0.1:30000")  # doctest: +SKIP
     """
@@ -102,6 +105,8 @@ class SGLangAPIBackend(Backend):
         tokenizer: Any = None,
         chat_template: str | None = None,
         timeout: float = 600.0,
+        tool_format: str | None = None,
+        reasoning_format: str | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
@@ -115,6 +120,13 @@ class SGLangAPIBackend(Backend):
             getattr(self.tokenizer, "bos_token", None) or "",
             getattr(self.tokenizer, "eos_token", None) or "",
         )
+        # SGLang's API does not say how the model writes calls and reasoning: read them off
+        # the chat template, as `flowlang serve` does (or take them as given)
+        from runtime.constrain.reasoning import detect_reasoning_format
+        from runtime.constrain.tool_calls import detect_tool_format
+
+        self.tool_format = tool_format or detect_tool_format(template)
+        self.reasoning_format = reasoning_format or detect_reasoning_format(template)
         self._tokens: OrderedDict[tuple[str, bool], list[int]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -236,6 +248,8 @@ def _sglang_sampling(request: GenerateRequest) -> dict[str, Any]:
             params["json_schema"] = json.dumps(c.json_schema)
         elif c.grammar is not None:
             params["ebnf"] = c.grammar
+        elif c.structural_tag is not None:  # tool calls, reasoning: as SGLang takes it, a text
+            params["structural_tag"] = json.dumps(c.structural_tag)
         else:  # SGLang has no choices constraint: the same language as a regex
             params["regex"] = c.regex or "(" + "|".join(map(_regex_escape, c.choices)) + ")"
     return params

@@ -15,6 +15,7 @@ from typing import Any
 
 from runtime.cache.view import CacheView, merge_views
 from runtime.cluster.cluster import Cluster
+from runtime.constrain.formats import model_reasoning_format, model_tool_format
 from runtime.errors import EngineClosedError, InvalidRequestError
 from runtime.handles import RequestHandle
 from runtime.intake import RequestIntake
@@ -52,6 +53,16 @@ class ClusterEngine:
         self.intake = RequestIntake(self.config, self.arch, self.tokenizer, num_slots)
         self.scorer = _Scorer(self)
         self._closed = False
+
+    @property
+    def tool_format(self) -> str:
+        """How the model writes tool calls (as Engine.tool_format)."""
+        return model_tool_format(self.config, self.tokenizer)
+
+    @property
+    def reasoning_format(self) -> str | None:
+        """How the model writes its reasoning (as Engine.reasoning_format)."""
+        return model_reasoning_format(self.config, self.tokenizer)
 
     # ---------------------------------------------------------------- requests
     def submit(

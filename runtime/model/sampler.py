@@ -29,7 +29,7 @@ class SamplerState:
 
     params: SamplingParams
     generator: torch.Generator | None = None  # seeded per request, else the engine's
-    constraint: Any = None  # a ConstraintState (runtime.model.constrained) or None
+    constraint: Any = None  # a ConstraintState (runtime.constrain.grammar) or None
     seen_mask: torch.Tensor | None = None  # (vocab,) bool: prompt + output tokens (penalties)
     output_counts: torch.Tensor | None = None  # (vocab,) float: output token counts (penalties)
 
@@ -89,7 +89,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerState]) -> SampleOutput:
     if penalized:
         _apply_penalties(logits, penalized, rows)
     if any(c is not None for c in constrained):
-        from runtime.model.constrained import apply_constraints
+        from runtime.constrain.grammar import apply_constraints
 
         apply_constraints(logits, constrained)
 

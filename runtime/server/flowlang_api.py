@@ -47,6 +47,8 @@ async def info(server: ServerDep):
         "num_kv_heads": engine.arch.num_kv_heads,
         "head_dim": engine.arch.head_dim,
         "dtype": engine.config.dtype,
+        "tool_format": engine.tool_format,
+        "reasoning_format": engine.reasoning_format,
     }
 
 

@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 from fastapi import APIRouter, Request
 
-from runtime.errors import InvalidRequestError
 from runtime.handles import RequestHandle
-from runtime.intake import check_unicode
-from runtime.protocol import Constraint, GenerateRequest, GenerateResult
+from runtime.protocol import GenerateRequest, GenerateResult, SamplingParams
+from runtime.server.chat_turn import ChatDeltas, ChatPlan, chat_message, finish_reason, plan_chat
 from runtime.server.errors import error_frame, failure_of
+from runtime.server.fields import AuditedFields
 from runtime.server.schemas import ChatBody, CompletionBody
 from runtime.server.state import Server, ServerDep
 from runtime.server.streaming import sse
 
 router = APIRouter(prefix="/v1")
+log = logging.getLogger("flowlang.server")
 
 
 @router.get("/models")
@@ -42,11 +44,14 @@ async def models(server: ServerDep):
 @router.post("/completions")
 async def completions(body: CompletionBody, request: Request, server: ServerDep):
     """Text completion: n choices per prompt, optionally streamed, with logprobs."""
+    _log_ignored("/v1/completions", body)
     logprobs = body.logprobs is not None
     namespace = server.namespace(request, body.namespace)
-    requests = []
+    requests, echoes = [], []
     for prompt in body.prompts():
+        echo = _prompt_text(server, prompt) if body.echo else ""
         for i in range(body.n):
+            echoes.append(echo)
             params = body.sampling(body.max_tokens or 16, i, logprobs, body.logprobs or 0)
             requests.append(
                 GenerateRequest(
@@ -58,14 +63,14 @@ async def completions(body: CompletionBody, request: Request, server: ServerDep)
     handles = await server.submit(requests, server.tenant(request))
     created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
-        chunks = _completion_stream(server, handles, cid, created)
+        chunks = _completion_stream(server, handles, cid, created, echoes)
         return sse(server.engine, handles, chunks)
     results = _checked(await server.wait(request, handles))
     choices = [
         {
             "index": i,
-            "text": r.text,
-            "finish_reason": _reason(r),
+            "text": echoes[i] + r.text,
+            "finish_reason": finish_reason(r),
             "logprobs": _completion_logprobs(server, r) if logprobs else None,
         }
         for i, r in enumerate(results)
@@ -82,37 +87,39 @@ async def completions(body: CompletionBody, request: Request, server: ServerDep)
 
 @router.post("/chat/completions")
 async def chat(body: ChatBody, request: Request, server: ServerDep):
-    """Chat completion through the model's chat template, with response_format schemas."""
-    prompt = await asyncio.to_thread(_chat_prompt, server, body)  # templates can be slow
-    constraint: Constraint | None = body.constraint()
+    """Chat completion through the model's chat template: tools and tool calls, reasoning
+    split off, response_format schemas."""
+    _log_ignored("/v1/chat/completions", body, body.messages)
+    plan = await asyncio.to_thread(plan_chat, server.engine, body)  # templates can be slow
     top = body.top_logprobs or 0
     max_tokens = body.max_completion_tokens or body.max_tokens
     namespace = server.namespace(request, body.namespace)
     requests = [
         GenerateRequest(
-            input_ids=prompt,
-            constraint=constraint,
+            input_ids=plan.prompt_ids,
+            constraint=plan.constraint,
             namespace=namespace,
-            sampling=body.sampling(max_tokens, i, body.logprobs, top),
+            sampling=_chat_sampling(body, plan, max_tokens, i, top),
         )
         for i in range(body.n)
     ]
     handles = await server.submit(requests, server.tenant(request))
     created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-        chunks = _chat_stream(server, handles, cid, created, include_usage)
+        chunks = _chat_stream(server, plan, handles, cid, created, body.include_usage)
         return sse(server.engine, handles, chunks)
     results = _checked(await server.wait(request, handles))
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": r.text},
-            "logprobs": _chat_logprobs(server, r) if body.logprobs else None,
-            "finish_reason": _reason(r),
-        }
-        for i, r in enumerate(results)
-    ]
+    choices = []
+    for i, r in enumerate(results):
+        message, finish = chat_message(plan, r)
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": _chat_logprobs(server, r) if body.logprobs else None,
+                "finish_reason": finish,
+            }
+        )
     return {
         "id": cid,
         "object": "chat.completion",
@@ -123,18 +130,31 @@ async def chat(body: ChatBody, request: Request, server: ServerDep):
     }
 
 
-def _chat_prompt(server: Server, body: ChatBody) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    for message in messages:
-        check_unicode(message["content"])
-    try:
-        return list(
-            server.engine.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
-        )
-    except Exception as err:  # noqa: BLE001 - jinja raises many kinds; all are bad input
-        raise InvalidRequestError(f"the chat template rejects these messages: {err}") from err
+def _chat_sampling(
+    body: ChatBody, plan: ChatPlan, max_tokens: int | None, index: int, top: int
+) -> SamplingParams:
+    params = body.sampling(max_tokens, index, body.logprobs, top)
+    if plan.keep_special_tokens:  # the calls' marker must stay in the text the parser reads
+        params = params.model_copy(update={"skip_special_tokens": False})
+    return params
+
+
+def _log_ignored(route: str, body: AuditedFields, parts: Sequence[AuditedFields] = ()) -> None:
+    """Say loudly which fields a request set that have no effect here."""
+    ignored = body.fields_of_kind("ignored")
+    ignored += sorted({f"messages.{n}" for m in parts for n in m.fields_of_kind("ignored")})
+    if body.stream_options is not None:
+        ignored += [f"stream_options.{n}" for n in body.stream_options.fields_of_kind("ignored")]
+    if ignored:
+        log.warning("%s fields with no effect here: %s", route, ignored, extra={"ignored": ignored})
+
+
+def _prompt_text(server: Server, prompt: str | list[int]) -> str:
+    """What `echo` puts before a choice: the prompt's text (token prompts decoded)."""
+    if isinstance(prompt, str):
+        return prompt
+    server.engine.intake.validate_ids(prompt, "token id")
+    return server.engine.tokenizer.decode(prompt)
 
 
 def _checked(results: list[GenerateResult]) -> list[GenerateResult]:
@@ -143,10 +163,6 @@ def _checked(results: list[GenerateResult]) -> list[GenerateResult]:
         if failure is not None:
             raise failure
     return results
-
-
-def _reason(result: GenerateResult) -> str:
-    return "length" if result.finish_reason == "length" else "stop"
 
 
 def _usage(results: list[GenerateResult]) -> dict:
@@ -204,7 +220,7 @@ def _chat_logprobs(server: Server, result: GenerateResult) -> dict:
 
 
 async def _completion_stream(
-    server: Server, handles: list[RequestHandle], cid: str, created: int
+    server: Server, handles: list[RequestHandle], cid: str, created: int, echoes: list[str]
 ) -> AsyncGenerator[str, None]:
     model = server.engine.config.model
 
@@ -222,6 +238,8 @@ async def _completion_stream(
         )
 
     for index, handle in enumerate(handles):
+        if echoes[index]:
+            yield chunk(index, echoes[index], None)
         async for delta in handle.astream():
             yield chunk(index, delta, None)
         result = await handle.aresult()
@@ -229,11 +247,16 @@ async def _completion_stream(
         if failure is not None:  # an error frame, never a finish_reason that says it ended well
             yield error_frame(failure)
             return
-        yield chunk(index, "", _reason(result))
+        yield chunk(index, "", finish_reason(result))
 
 
 async def _chat_stream(
-    server: Server, handles: list[RequestHandle], cid: str, created: int, include_usage: bool
+    server: Server,
+    plan: ChatPlan,
+    handles: list[RequestHandle],
+    cid: str,
+    created: int,
+    include_usage: bool,
 ) -> AsyncGenerator[str, None]:
     model = server.engine.config.model
 
@@ -252,16 +275,20 @@ async def _chat_stream(
 
     results = []
     for index, handle in enumerate(handles):
+        deltas = ChatDeltas(plan)
         yield chunk(index, {"role": "assistant", "content": ""}, None)
-        async for delta in handle.astream():
-            yield chunk(index, {"content": delta}, None)
+        async for text in handle.astream():
+            for delta in deltas.feed(text):
+                yield chunk(index, delta, None)
         result = await handle.aresult()
         failure = failure_of(result)
         if failure is not None:
             yield error_frame(failure)
             return
+        for delta in deltas.finish():
+            yield chunk(index, delta, None)
         results.append(result)
-        yield chunk(index, {}, _reason(result))
+        yield chunk(index, {}, finish_reason(result, deltas.num_calls > 0))
     if include_usage:
         yield json.dumps(
             {

@@ -1,32 +1,40 @@
 """HTTP request bodies of the OpenAI API, mapped onto the protocol (SGLang's native bodies are
 in sglang_schemas).
 
-The OpenAI routes accept and ignore fields they do not know, as OpenAI's own clients send
-extras.
+Every field of OpenAI's chat/completions and completions requests is declared, as honoured,
+ignored (billing and tracking metadata: no effect, logged) or unsupported (a 400 that names it
+when set), as runtime/server/fields.py describes; the extensions vLLM and SGLang take
+(top_k, min_p, chat_template_kwargs, separate_reasoning, regex, ebnf, ...) are honoured too. A
+field neither API knows is a 422 that names it: nothing we do not honour is silently dropped.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, model_validator
 
 from runtime.errors import InvalidRequestError
-from runtime.protocol import Constraint, SamplingParams
+from runtime.protocol import TOOL_NAME_PATTERN, Constraint, SamplingParams, ToolSpec
 from runtime.server.errors import invalid_input
+from runtime.server.fields import AuditedFields, ignored_field, unsupported_field
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _OpenAIFields(AuditedFields):
+    api_name = "OpenAI"
 
 
-class ResponseFormat(_Lenient):
-    type: Literal["text", "json_object", "json_schema"] = "text"
-    json_schema: dict[str, Any] | None = None
+_METADATA = "tracking metadata for OpenAI's platform; it changes no output here"
 
 
-class _OpenAISampling(_Lenient):
-    model: str | None = None
+class StreamOptions(_OpenAIFields):
+    include_usage: bool = False
+    include_obfuscation: bool = ignored_field("no obfuscation padding is sent", True)
+    continuous_usage_stats: bool = unsupported_field("usage in every chunk", False)
+
+
+class _OpenAISampling(_OpenAIFields):
+    model: str | None = Field(None, description="one model is served; any name reaches it")
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -36,23 +44,38 @@ class _OpenAISampling(_Lenient):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    user: str | None = None
-    ignore_eos: bool = False  # extensions vLLM also takes
+    stream_options: StreamOptions | None = None
+    # the extensions vLLM and SGLang take
+    top_k: int = Field(-1, ge=-1, description="-1 (or 0): no top-k restriction")
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    namespace: str | None = None  # flowlang extension: cache salt
+    namespace: str | None = Field(None, description="flowlang's cache salt")
+    user: str | None = ignored_field(_METADATA)
+    logit_bias: dict[str, float] | None = unsupported_field("logit_bias")
 
     def sampling(
         self, max_tokens: int | None, index: int, logprobs: bool, top_logprobs: int
     ) -> SamplingParams:
         """The engine's sampling parameters for choice `index`; values it rejects are a 400."""
+        self.check_supported()
+        if self.stream_options is not None:
+            self.stream_options.check_supported("stream_options.")
         seed = None if self.seed is None else self.seed + index
         with invalid_input():
             return SamplingParams(
                 max_new_tokens=max_tokens if max_tokens is not None else 256,
                 temperature=self.temperature,
                 top_p=self.top_p,
+                top_k=max(0, self.top_k),
+                min_p=self.min_p,
+                repetition_penalty=self.repetition_penalty,
                 stop=self.stop,
+                stop_token_ids=self.stop_token_ids or [],
+                skip_special_tokens=self.skip_special_tokens,
                 seed=seed,
                 frequency_penalty=self.frequency_penalty,
                 presence_penalty=self.presence_penalty,
@@ -62,14 +85,25 @@ class _OpenAISampling(_Lenient):
                 min_new_tokens=self.min_tokens,
             )
 
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
 
 class CompletionBody(_OpenAISampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
+    echo: bool = Field(False, description="the prompt's text before each choice's text")
+    best_of: int | None = Field(None, ge=1, le=1, description="one candidate per choice")
+    suffix: str | None = unsupported_field("insertion (a text after the completion)")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as texts or token id lists; an empty list is a 400 (no choices)."""
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError(
+                "echo with logprobs is not supported: the prompt's logprobs are not returned "
+                "here (send echo or logprobs, not both)"
+            )
         p = self.prompt
         if isinstance(p, list) and not p:
             raise InvalidRequestError("`prompt` is an empty list: send at least one prompt")
@@ -80,21 +114,108 @@ class CompletionBody(_OpenAISampling):
         return list(p)
 
 
-class ContentPart(_Lenient):
-    """One part of a message's content; only text parts are understood."""
+# ---------------------------------------------------------------------- messages
+
+
+class TextPart(_OpenAIFields):
+    """One part of a message's content; flowlang serves text-only models."""
 
     type: Literal["text"] = "text"
     text: str
 
 
-class ChatMessage(_Lenient):
-    role: str
-    content: str | list[ContentPart] | None = None
+class FunctionCallBody(_OpenAIFields):
+    name: str
+    arguments: str = Field(description="a JSON object, as OpenAI sends it")
+
+
+class ToolCallBody(_OpenAIFields):
+    """A call an earlier assistant message made."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+
+class ChatMessage(_OpenAIFields):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(None, description="the participant's name, given to the template")
+    tool_calls: list[ToolCallBody] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = Field(
+        None, description="an assistant turn's reasoning, given to templates that show it"
+    )
+    refusal: str | None = ignored_field("an earlier refusal; its content is what is shown")
+    audio: Any = unsupported_field("flowlang serves text-only models")
+    function_call: Any = unsupported_field("the deprecated functions API: send tool_calls")
+
+    @model_validator(mode="after")
+    def _role_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not {self.role!r}")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id belongs to tool messages, not {self.role!r}")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it."""
+        self.check_supported(f"messages[{self.role}].")
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        return out
+
+
+# ---------------------------------------------------------------------- tools
+
+
+class FunctionDefinition(_OpenAIFields):
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = Field(
+        None, description="calls are always constrained to the schema here, strict or not"
+    )
+
+
+class ToolDefinition(_OpenAIFields):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_OpenAIFields):
+    name: str
+
+
+class NamedToolChoice(_OpenAIFields):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(_OpenAIFields):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = Field(None, description="output is always constrained to the schema")
+
+
+class ResponseFormat(_OpenAIFields):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JSONSchemaFormat | None = None
 
 
 class ChatBody(_OpenAISampling):
@@ -103,16 +224,98 @@ class ChatBody(_OpenAISampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    modalities: list[Literal["text"]] | None = None
+    # the extensions vLLM and SGLang take
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="extra variables for the chat template (enable_thinking, ...)"
+    )
+    separate_reasoning: bool = Field(
+        True, description="a reasoning model's thinking goes to reasoning_content"
+    )
+    max_reasoning_tokens: int | None = Field(
+        None, ge=1, description="flowlang's: the reasoning block is closed after this many tokens"
+    )
+    regex: str | None = None
+    ebnf: str | None = None
+    # OpenAI fields with no meaning here, or for features flowlang does not have
+    metadata: dict[str, str] | None = ignored_field(_METADATA)
+    service_tier: str | None = ignored_field("one tier: every request is served alike")
+    prompt_cache_key: str | None = ignored_field(
+        "every shared prefix is cached anyway (namespace keeps tenants apart)"
+    )
+    prompt_cache_retention: str | None = ignored_field("the cache keeps what memory allows")
+    safety_identifier: str | None = ignored_field(_METADATA)
+    store: bool | None = unsupported_field("stored completions", False)
+    reasoning_effort: str | None = unsupported_field(
+        "reasoning effort levels (use chat_template_kwargs, e.g. enable_thinking)"
+    )
+    verbosity: str | None = unsupported_field("verbosity levels")
+    audio: Any = unsupported_field("flowlang serves text-only models")
+    prediction: Any = unsupported_field("predicted outputs")
+    web_search_options: Any = unsupported_field("web search")
+    functions: Any = unsupported_field("the deprecated functions API: send tools")
+    function_call: Any = unsupported_field("the deprecated functions API: send tool_choice")
 
-    def constraint(self) -> Constraint | None:
-        """The constraint response_format asks for, if any; a malformed one is a 400."""
-        fmt = self.response_format
-        if fmt is None or fmt.type == "text":
-            return None
-        if fmt.type == "json_object":
-            return Constraint(json_schema={"type": "object"})
-        schema = (fmt.json_schema or {}).get("schema")
-        if not isinstance(schema, dict):
-            raise InvalidRequestError("response_format json_schema needs a 'schema' object")
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatBody:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools: each function needs its own name, got {names}")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(
+                f"tool_choice names the function {choice.function.name!r}, which is not among "
+                f"tools {names}"
+            )
+        if choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs at least one function in tools")
+        return self
+
+    def tool_specs(self) -> list[ToolSpec]:
+        """The functions offered, as the protocol's ToolSpec."""
         with invalid_input():
-            return Constraint(json_schema=schema)
+            return [
+                ToolSpec(
+                    name=t.function.name,
+                    description=t.function.description or "",
+                    parameters=t.function.parameters or {"type": "object", "properties": {}},
+                    strict=bool(t.function.strict),
+                )
+                for t in self.tools or []
+            ]
+
+    def choice(self) -> str:
+        """tool_choice as "auto", "none", "required" or a function's name (OpenAI's default:
+        "auto" with tools, "none" without)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return choice.function.name
+        return choice or ("auto" if self.tools else "none")
+
+    def answer_constraint(self) -> Constraint | None:
+        """The constraint on the answer's text (response_format, regex or ebnf), if any."""
+        self.check_supported()
+        fmt = self.response_format
+        given = {
+            "response_format": fmt is not None and fmt.type != "text",
+            "regex": self.regex is not None,
+            "ebnf": self.ebnf is not None,
+        }
+        if sum(given.values()) > 1:
+            asked = [k for k, v in given.items() if v]
+            raise InvalidRequestError(f"send one of response_format, regex, ebnf; got {asked}")
+        with invalid_input():
+            if self.regex is not None:
+                return Constraint(regex=self.regex)
+            if self.ebnf is not None:
+                return Constraint(grammar=self.ebnf)
+            if fmt is None or fmt.type == "text":
+                return None
+            if fmt.type == "json_object":
+                return Constraint(json_schema={"type": "object"})
+            if fmt.json_schema is None:
+                raise InvalidRequestError("response_format json_schema needs a 'json_schema'")
+            return Constraint(json_schema=fmt.json_schema.schema_)

@@ -1,5 +1,6 @@
 """SGLang's native routes besides /generate: model and server info, the cache flush, the
-generating health check, /encode, the profile window, and the frontend's concate-and-append.
+generating health check, /encode, the profile window, the frontend's concate-and-append, and
+the tool-call and reasoning parsers (/parse_function_call, /separate_reasoning).
 
 Where flowlang's answer differs from SGLang's, the route's docstring says how and why.
 """
@@ -12,12 +13,12 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Body, Request, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from runtime.engine import Engine
 from runtime.errors import InvalidRequestError
 from runtime.model.registry import MODELS
-from runtime.protocol import GenerateRequest, SamplingParams
+from runtime.protocol import GenerateRequest, SamplingParams, ToolSpec
 from runtime.server.sglang_schemas import SGLangFields, ignored_field
 from runtime.server.state import ServerDep
 
@@ -180,3 +181,70 @@ async def concate_and_append_request(body: ConcatenateBody):
     request carries the joined text, and the radix cache reuses the shared prefix and the first
     branch (each branch's text was prefilled by the frontend before this call)."""
     return {"success": True, "src_rids": body.src_rids, "dst_rid": body.dst_rid}
+
+
+class _SGLangTool(SGLangFields):
+    type: str = "function"
+    function: dict[str, Any]
+    defer_loading: bool | None = ignored_field("every tool is offered at once")
+
+
+class ParseFunctionCallBody(SGLangFields):
+    text: str
+    tools: list[_SGLangTool] = []
+    tool_call_parser: str | None = None
+
+
+class SeparateReasoningBody(SGLangFields):
+    text: str
+    reasoning_parser: str
+    return_blocks: bool = False
+
+
+@router.post("/parse_function_call")
+async def parse_function_call(body: ParseFunctionCallBody, server: ServerDep):
+    """Tool calls read out of a text, as SGLang's route answers (`normal_text`, `calls` with
+    `tool_index`, `name` and `parameters` as a JSON string); the parser defaults to the
+    model's tool format (SGLang tries every parser instead)."""
+    from runtime.constrain.tool_calls import UnknownToolFormat, tool_format
+
+    try:
+        fmt = tool_format(body.tool_call_parser or server.engine.tool_format)
+        tools = [
+            ToolSpec(
+                name=t.function.get("name", ""),
+                description=t.function.get("description") or "",
+                parameters=t.function.get("parameters") or {"type": "object", "properties": {}},
+            )
+            for t in body.tools
+        ]
+    except (UnknownToolFormat, ValidationError) as err:
+        raise InvalidRequestError(str(err)) from err
+    parsed = fmt.parse(body.text, tools)
+    index = {t.name: i for i, t in enumerate(tools)}
+    calls = [
+        {"tool_index": index[c.name], "name": c.name, "parameters": c.arguments}
+        for c in parsed.calls
+    ]
+    return {"normal_text": parsed.content, "calls": calls}
+
+
+@router.post("/separate_reasoning")
+async def separate_reasoning(body: SeparateReasoningBody):
+    """The reasoning and the answer of a text, as SGLang's route answers. As SGLang's
+    parsers, deepseek-r1 reads the text as starting inside the reasoning block."""
+    from runtime.constrain.reasoning import UnknownReasoningFormat, reasoning_format
+
+    try:
+        fmt = reasoning_format(body.reasoning_parser)
+    except UnknownReasoningFormat as err:
+        raise InvalidRequestError(str(err)) from err
+    reasoning, text = fmt.split(body.text, in_reasoning=fmt.name == "deepseek-r1")
+    out: dict[str, Any] = {"reasoning_text": reasoning or "", "text": text}
+    if body.return_blocks:
+        blocks = [{"type": "reasoning", "text": reasoning}] if reasoning else []
+        blocks.append({"type": "text", "text": text})
+        out["reasoning_blocks"] = [reasoning] if reasoning else []
+        out["text_blocks"] = [text]
+        out["blocks"] = blocks
+    return out

@@ -17,54 +17,24 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from runtime.errors import InvalidRequestError
 from runtime.protocol import Constraint, SamplingParams
 from runtime.server.errors import invalid_input
+from runtime.server.fields import AuditedFields, ignored_field, unsupported_field
 
 MAX_PARALLEL_SAMPLES = 256  # n: each sample is one engine request
-
-
-def ignored_field(reason: str, default: Any = None) -> Any:
-    """A field SGLang takes that has no meaning here: accepted, no effect, logged."""
-    return Field(default, description=f"ignored: {reason}", json_schema_extra={"kind": "ignored"})
-
-
-def unsupported_field(reason: str, default: Any = None) -> Any:
-    """A field for a feature flowlang lacks: accepted unset, otherwise a 400 naming it."""
-    return Field(
-        default, description=f"not supported: {reason}", json_schema_extra={"kind": "unsupported"}
-    )
 
 
 _MEDIA = "flowlang serves text-only models"
 _ROUTING = "routing metadata for a multi-worker deployment; one engine serves every request"
 
 
-class SGLangFields(BaseModel):
+class SGLangFields(AuditedFields):
     """An SGLang body: honoured, ignored and unsupported fields; unknown ones are a 422."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    def fields_of_kind(self, kind: str) -> list[str]:
-        """Fields of `kind` ("ignored" or "unsupported") this request sets (unset: default,
-        null or empty)."""
-        found = []
-        for name, info in type(self).model_fields.items():
-            extra = info.json_schema_extra or {}
-            value = getattr(self, name)
-            if extra.get("kind") == kind and value not in (info.default, None, [], {}, ""):
-                found.append(name)
-        return found
-
-    def check_supported(self, where: str = "") -> None:
-        """Refuse (400) a request that sets a feature flowlang does not have."""
-        given = self.fields_of_kind("unsupported")
-        if given:
-            fields = type(self).model_fields
-            reasons = "; ".join(f"{where}{n}: {fields[n].description}" for n in given)
-            raise InvalidRequestError(f"unsupported SGLang fields: {reasons}")
+    api_name = "SGLang"
 
 
 class SGLangSamplingParams(SGLangFields):
@@ -97,7 +67,10 @@ class SGLangSamplingParams(SGLangFields):
     n: int = Field(1, ge=1, le=MAX_PARALLEL_SAMPLES)
     stream_interval: int | None = ignored_field("every token is streamed as soon as it is final")
     beam_width: int | None = unsupported_field("beam search")
-    structural_tag: str | None = unsupported_field("structural tags (use json_schema or ebnf)")
+    structural_tag: str | None = Field(
+        None, description="a JSON string: xgrammar's structural tag (SGLang's legacy "
+        "{structures, triggers} form too)"
+    )
     logit_bias: dict[str, float] | None = unsupported_field("logit_bias")
     custom_params: dict[str, Any] | None = unsupported_field("custom logit processors")
     watermark: Any = unsupported_field("watermarking")
@@ -142,7 +115,10 @@ class SGLangSamplingParams(SGLangFields):
                 **logprobs,
             )
         return params, constraint_of(
-            regex=self.regex, json_schema=self.json_schema, grammar=self.ebnf
+            regex=self.regex,
+            json_schema=self.json_schema,
+            grammar=self.ebnf,
+            structural_tag=self.structural_tag,
         )
 
 
@@ -347,22 +323,73 @@ def _per_prompt(value: Any, num: int, name: str, default: Any) -> list:
 
 
 def constraint_of(
-    regex: str | None = None, json_schema: str | dict | None = None, grammar: str | None = None
+    regex: str | None = None,
+    json_schema: str | dict | None = None,
+    grammar: str | None = None,
+    structural_tag: str | dict | None = None,
 ) -> Constraint | None:
-    """At most one constraint from SGLang-style fields (json_schema may be a JSON string)."""
-    if isinstance(json_schema, str):
-        try:
-            json_schema = json.loads(json_schema)
-        except json.JSONDecodeError as err:
-            raise InvalidRequestError(f"json_schema is not valid JSON: {err}") from err
-        except RecursionError as err:  # Python's decoder recurses per level
-            raise InvalidRequestError("json_schema nests too deeply to read") from err
+    """At most one constraint from SGLang-style fields (json_schema and structural_tag may be
+    JSON strings)."""
+    json_schema = _json_field(json_schema, "json_schema")
+    structural_tag = _json_field(structural_tag, "structural_tag")
+    if structural_tag is not None:
+        structural_tag = structural_tag_of(structural_tag)
     given = {
         k: v
-        for k, v in (("regex", regex), ("json_schema", json_schema), ("grammar", grammar))
+        for k, v in (
+            ("regex", regex),
+            ("json_schema", json_schema),
+            ("grammar", grammar),
+            ("structural_tag", structural_tag),
+        )
         if v is not None
     }
     if not given:
         return None
     with invalid_input():
         return Constraint(**given)
+
+
+def _json_field(value: str | dict | None, name: str) -> dict | None:
+    """A field SGLang takes as a JSON string (or, from flowlang, as an object)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as err:
+        raise InvalidRequestError(f"{name} is not valid JSON: {err}") from err
+    except RecursionError as err:  # Python's decoder recurses per level
+        raise InvalidRequestError(f"{name} nests too deeply to read") from err
+
+
+def structural_tag_of(tag: Any) -> dict:
+    """xgrammar's structural tag from SGLang's field: the current form as it is, the legacy
+    `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}` as triggered tags."""
+    if not isinstance(tag, dict):
+        raise InvalidRequestError("structural_tag must be a JSON object")
+    if "format" in tag:
+        return {"type": "structural_tag", **tag}
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not isinstance(triggers, list):
+        raise InvalidRequestError(
+            "structural_tag needs a 'format' (xgrammar's form) or 'structures' and 'triggers' "
+            "(SGLang's legacy form)"
+        )
+    try:
+        tags = [
+            {
+                "type": "tag",
+                "begin": s["begin"],
+                "content": {"type": "json_schema", "json_schema": s["schema"]},
+                "end": s["end"],
+            }
+            for s in structures
+        ]
+    except (KeyError, TypeError) as err:
+        raise InvalidRequestError(
+            f"structural_tag structures need begin, schema and end: missing {err}"
+        ) from err
+    return {
+        "type": "structural_tag",
+        "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags},
+    }

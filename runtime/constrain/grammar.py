@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from runtime.model.grammar_check import GrammarSyntaxUnknown, endless_rules
-from runtime.model.grammar_probe import GrammarProbe, ProbeVerdict, compile_constraint
+from runtime.constrain.check import GrammarSyntaxUnknown, endless_rules
+from runtime.constrain.probe import GrammarProbe, ProbeVerdict, compile_constraint
 from runtime.protocol import Constraint
 
 
@@ -34,7 +34,7 @@ MAX_SCHEMA_DEPTH = 64  # nested objects and lists in a JSON schema (recursion ev
 
 class GrammarCache:
     """Compiles each distinct constraint once (a trial in a memory-limited child process
-    first, see grammar_probe.py) and makes matchers for requests."""
+    first, see probe.py) and makes matchers for requests."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         try:
@@ -68,9 +68,7 @@ class GrammarCache:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
-        kind = next(
-            k for k in ("regex", "json_schema", "choices", "grammar") if getattr(constraint, k)
-        )
+        kind = constraint.kind
         if len(key) > MAX_CONSTRAINT_BYTES:
             raise InvalidConstraintError(
                 f"the {kind} is {len(key):,} bytes serialized; the limit is "

@@ -7,7 +7,7 @@ which is killed when it runs past its time budget; only a constraint that compil
 is compiled again in the server's own process. The child sends back the compiled grammar's
 size, not the grammar itself: xgrammar's serialized form can be 30x its size in memory.
 
-The child is `python -m runtime.model.grammar_probe MEMORY_LIMIT_BYTES`: it reads the
+The child is `python -m runtime.constrain.probe MEMORY_LIMIT_BYTES`: it reads the
 tokenizer info (one JSON line on its stdin), says "ready", then answers each constraint (one
 JSON line) with a verdict (one JSON line on its stdout).
 """
@@ -46,6 +46,8 @@ def compile_constraint(compiler: Any, constraint: Constraint) -> Any:
         return compiler.compile_json_schema(
             json.dumps(constraint.json_schema), any_whitespace=False, separators=(",", ":")
         )
+    if constraint.structural_tag is not None:
+        return compiler.compile_structural_tag(json.dumps(constraint.structural_tag))
     if constraint.choices is not None:
         alternatives = " | ".join(json.dumps(c) for c in constraint.choices)
         return compiler.compile_grammar(f"root ::= {alternatives}")
