@@ -34,7 +34,7 @@ def output_format(node: Gen, backend: Backend, prompt_text: str) -> OutputFormat
     """How `node` decodes on `backend` after `prompt_text`."""
     if not node.tools and not node.reasoning:
         return OutputFormat(node.constraint)
-    from runtime.constrain.tool_calls import InvalidTools, answer_after_reasoning, tool_format
+    from runtime.constrain.tool_calls import InvalidTools, output_constraint, tool_format
 
     reasoning = _reasoning_format(node, backend)
     # deepseek-r1 outputs start inside the block even when the prompt has not opened it (as
@@ -42,34 +42,22 @@ def output_format(node: Gen, backend: Backend, prompt_text: str) -> OutputFormat
     in_reasoning = reasoning is not None and (
         reasoning.name == "deepseek-r1" or reasoning.in_reasoning(prompt_text)
     )
-    budget = node.max_reasoning_tokens
-    if node.tools and node.tool_choice == "none":  # shown, not to be called: no call starts
-        no_call = {"type": "any_text", "excludes": [tool_format(backend.tool_format).trigger]}
-        if reasoning is None:
-            tag = {"type": "structural_tag", "format": no_call}
-        else:
-            tag = answer_after_reasoning(no_call, reasoning, in_reasoning, budget)
-        return OutputFormat(Constraint(structural_tag=tag), reasoning, in_reasoning)
-    if node.tools:
-        tools_format = tool_format(backend.tool_format)
-        try:
-            tag = tools_format.structural_tag(
-                [t.spec for t in node.tools],
-                choice=node.tool_choice,
-                parallel=node.parallel_tool_calls,
-                reasoning=reasoning,
-                in_reasoning=in_reasoning,
-                reasoning_budget=budget,
-            )
-        except InvalidTools as err:
-            raise ProgramError(f"gen({node.name!r}): {err}") from err
-        return OutputFormat(Constraint(structural_tag=tag), reasoning, in_reasoning, tools_format)
-    constraint = node.constraint
-    if constraint is not None or budget is not None:  # the answer's format, after the block
-        answer = None if constraint is None else _answer_format(constraint)
-        tag = answer_after_reasoning(answer, reasoning, in_reasoning, budget)
-        constraint = Constraint(structural_tag=tag)
-    return OutputFormat(constraint, reasoning, in_reasoning)
+    fmt = tool_format(backend.tool_format) if node.tools else None
+    try:
+        constraint = output_constraint(
+            fmt,
+            [t.spec for t in node.tools],
+            node.tool_choice,
+            node.parallel_tool_calls,
+            node.constraint,
+            reasoning,
+            in_reasoning,
+            node.max_reasoning_tokens,
+        )
+    except InvalidTools as err:
+        raise ProgramError(f"gen({node.name!r}): {err}") from err
+    calls_read = fmt if node.tools and node.tool_choice != "none" else None
+    return OutputFormat(constraint, reasoning, in_reasoning, calls_read)
 
 
 def _reasoning_format(node: Gen, backend: Backend) -> Any:
@@ -85,22 +73,6 @@ def _reasoning_format(node: Gen, backend: Backend) -> Any:
             f"model opens the block) or reasoning='deepseek-r1' (the prompt opens it)"
         )
     return reasoning_format(name)
-
-
-def _answer_format(constraint: Constraint) -> dict:
-    """A constraint as an xgrammar structural-tag format (for the answer after reasoning)."""
-    if constraint.regex is not None:
-        return {"type": "regex", "pattern": constraint.regex}
-    if constraint.json_schema is not None:
-        return {"type": "json_schema", "json_schema": constraint.json_schema}
-    if constraint.choices is not None:
-        return {
-            "type": "or",
-            "elements": [{"type": "const_string", "value": c} for c in constraint.choices],
-        }
-    if constraint.grammar is not None:
-        return {"type": "grammar", "grammar": constraint.grammar}
-    return constraint.structural_tag["format"]
 
 
 def appended_ids(result: GenerateResult, backend: Backend) -> list[int]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import regex
 
 from runtime.constrain.reasoning import ReasoningFormat
-from runtime.protocol import TOOL_NAME_PATTERN, ToolCall, ToolSpec
+from runtime.protocol import TOOL_NAME_PATTERN, Constraint, ToolCall, ToolSpec
 
 FORMAT_NAMES = ("hermes", "llama3", "mistral")
 _ALIASES = {
@@ -152,7 +152,9 @@ class ToolFormat:
         if choice == "required" and not tools:
             raise InvalidTools("tool_choice 'required' needs at least one tool")
         if choice == "none" or (choice == "auto" and not tools):
-            body = {"type": "any_text", "excludes": markers} if answer is None else answer
+            # tools shown but not to be called: the text may not start a call
+            excludes = [*markers, self.trigger] if choice == "none" else markers
+            body = {"type": "any_text", "excludes": excludes} if answer is None else answer
             forced = answer is not None
         elif choice == "auto":
             # with an answer format: that answer, or calls (and free text only after them)
@@ -264,15 +266,9 @@ class _Hermes(ToolFormat):
     def _match(
         self, text: str, at: int, final: bool, reader: _Reader, tools: dict[str, ToolSpec]
     ) -> _Verdict:
-        opening = _HERMES_OPEN.match(text, at, partial=not final)
-        if opening is None:
-            return _Verdict(at + 1)
-        if opening.partial:
-            return _UNDECIDED
-        start = opening.end() - 1
-        end = reader.json_end(start)
-        if end is None or end < 0:
-            return _Verdict(at + 1) if end is None else _UNDECIDED
+        opening, start, end, verdict = _opening_json(_HERMES_OPEN, text, at, final, reader)
+        if verdict is not None:
+            return verdict
         call = _call_of(reader.value(start, end), tools)
         if call is None:
             return _Verdict(end)
@@ -293,15 +289,10 @@ class _Llama3(ToolFormat):
         self, text: str, at: int, final: bool, reader: _Reader, tools: dict[str, ToolSpec]
     ) -> _Verdict:
         pattern = _LLAMA_OPENINGS[text[at]]
-        opening = pattern.match(text, at, partial=not final)
-        if opening is None:
-            return _Verdict(at + 1)
-        if opening.partial:
-            return _UNDECIDED
-        start = opening.end() - 1 if pattern is _LLAMA_TAG else at
-        end = reader.json_end(start)
-        if end is None or end < 0:
-            return _Verdict(at + 1) if end is None else _UNDECIDED
+        at_opening = pattern is not _LLAMA_TAG  # a bare object starts where its opening does
+        _, start, end, verdict = _opening_json(pattern, text, at, final, reader, at_opening)
+        if verdict is not None:
+            return verdict
         return _Verdict(end, _calls_in(reader.value(start, end), tools))
 
 
@@ -313,19 +304,38 @@ class _Mistral(ToolFormat):
     def _match(
         self, text: str, at: int, final: bool, reader: _Reader, tools: dict[str, ToolSpec]
     ) -> _Verdict:
-        opening = _MISTRAL_OPEN.match(text, at, partial=not final)
-        if opening is None:
-            return _Verdict(at + 1)
-        if opening.partial:
-            return _UNDECIDED
-        start = opening.end() - 1
-        end = reader.json_end(start)
-        if end is None or end < 0:
-            return _Verdict(at + 1) if end is None else _UNDECIDED
+        opening, start, end, verdict = _opening_json(_MISTRAL_OPEN, text, at, final, reader)
+        if verdict is not None:
+            return verdict
         value, name = reader.value(start, end), opening.group(1)
         if name is None:  # [TOOL_CALLS] [...]
             return _Verdict(end, _calls_in(value, tools, "id") if isinstance(value, list) else ())
         return _Verdict(end, _call(name, value) if name in tools and value is not None else ())
+
+
+def _opening_json(
+    pattern: regex.Pattern,
+    text: str,
+    at: int,
+    final: bool,
+    reader: _Reader,
+    at_opening: bool = False,
+) -> tuple[regex.Match | None, int, int, _Verdict | None]:
+    """A family's opening at `at` and the JSON value after it (starting at the opening's last
+    character, or at `at` itself): (opening, start, end, None) once both are whole, else a
+    verdict to return now (no call here, or undecided until more text comes)."""
+    opening = pattern.match(text, at, partial=not final)
+    if opening is None:
+        return None, 0, 0, _Verdict(at + 1)
+    if opening.partial:
+        return opening, 0, 0, _UNDECIDED
+    start = at if at_opening else opening.end() - 1
+    end = reader.json_end(start)
+    if end is None:
+        return opening, start, 0, _Verdict(at + 1)
+    if end < 0:
+        return opening, start, 0, _UNDECIDED
+    return opening, start, end, None
 
 
 class ToolCallStream:
@@ -424,6 +434,50 @@ def answer_after_reasoning(
             body, reasoning, in_reasoning, answer is not None, reasoning_budget
         ),
     }
+
+
+def answer_format(constraint: Constraint) -> dict:
+    """A constraint as a structural tag's part: the answer after a reasoning block."""
+    if constraint.json_schema is not None:
+        return {
+            "type": "json_schema",
+            "json_schema": constraint.json_schema,
+            "max_whitespace_cnt": MAX_WHITESPACE_RUN,
+        }
+    if constraint.regex is not None:
+        return {"type": "regex", "pattern": constraint.regex}
+    if constraint.choices is not None:
+        choices = [{"type": "const_string", "value": c} for c in constraint.choices]
+        return {"type": "or", "elements": choices}
+    if constraint.grammar is not None:
+        return {"type": "grammar", "grammar": constraint.grammar}
+    return constraint.structural_tag["format"]
+
+
+def output_constraint(
+    fmt: ToolFormat | None,
+    tools: Sequence[ToolSpec],
+    choice: str,
+    parallel: bool,
+    answer: Constraint | None,
+    reasoning: ReasoningFormat | None,
+    in_reasoning: bool,
+    reasoning_budget: int | None = None,
+) -> Constraint | None:
+    """What one output decodes under: calls to `tools` in `fmt` (choice "none": text that
+    starts no call, or `answer`), else `answer`; after the reasoning block when `reasoning` is
+    given and something constrains the output. The OpenAI route and the language both ask here.
+    Bad tools are InvalidTools."""
+    answer_part = None if answer is None else answer_format(answer)
+    if tools:
+        tag = fmt.structural_tag(
+            tools, choice, parallel, reasoning, in_reasoning, answer_part, reasoning_budget
+        )
+        return Constraint(structural_tag=tag)
+    if reasoning is not None and (answer is not None or reasoning_budget is not None):
+        tag = answer_after_reasoning(answer_part, reasoning, in_reasoning, reasoning_budget)
+        return Constraint(structural_tag=tag)
+    return answer
 
 
 def _after_reasoning(

@@ -21,7 +21,7 @@ from runtime.constrain.tool_calls import (
     InvalidTools,
     ToolCallStream,
     ToolFormat,
-    answer_after_reasoning,
+    output_constraint,
     template_supports_tools,
     tool_format,
 )
@@ -96,31 +96,12 @@ def plan_chat(engine: Any, body: ChatBody) -> ChatPlan:
             "response_format (or regex/ebnf) with tools is not supported: the answer is either "
             "calls or free text; send tool_choice 'none' to constrain the text"
         )
-    if calls_wanted:
-        try:
-            tag = fmt.structural_tag(
-                tools,
-                choice,
-                body.parallel_tool_calls,
-                reasoning,
-                in_reasoning,
-                reasoning_budget=budget,
-            )
-        except InvalidTools as err:
-            raise InvalidRequestError(f"tools: {err}") from err
-        constraint = _tag_constraint(tag)
-    elif tools:  # offered but not to be called: the text may not start a call
-        constraint = answer or _tag_constraint(
-            {"type": "structural_tag", "format": {"type": "any_text", "excludes": [fmt.trigger]}}
+    try:
+        constraint = output_constraint(
+            fmt, tools, choice, body.parallel_tool_calls, answer, reasoning, in_reasoning, budget
         )
-    elif reasoning is not None and (answer is not None or budget is not None):
-        # the answer is constrained, not the thinking (and a budget closes the thinking)
-        answer_format = _answer_format(answer) if answer is not None else None
-        constraint = _tag_constraint(
-            answer_after_reasoning(answer_format, reasoning, in_reasoning, budget)
-        )
-    else:
-        constraint = answer
+    except InvalidTools as err:
+        raise InvalidRequestError(f"tools: {err}") from err
     return ChatPlan(
         prompt_ids=ids,
         constraint=constraint,
@@ -137,20 +118,6 @@ def _is_special_token(tokenizer: Any, text: str) -> bool:
     from the text, and the parser with it)."""
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     return any(t.special and t.content == text.strip() for t in added.values())
-
-
-def _tag_constraint(tag: dict) -> Constraint:
-    return Constraint(structural_tag=tag)
-
-
-def _answer_format(constraint: Constraint) -> dict:
-    """A response constraint as a structural tag's part (after the reasoning block)."""
-    if constraint.json_schema is not None:
-        schema = constraint.json_schema
-        return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
-    if constraint.regex is not None:
-        return {"type": "regex", "pattern": constraint.regex}
-    return {"type": "grammar", "grammar": constraint.grammar}
 
 
 # ---------------------------------------------------------------------- the answer
