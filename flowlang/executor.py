@@ -30,6 +30,7 @@ from runtime.protocol import GenerateRequest, GraphHints, SamplingParams
 
 _END = object()
 _REQUEST_NODES = (Gen, Select, Fork)  # nodes that send the engine a request on this sequence
+ROLE_MARKER_TOKENS = 4  # a chat template's role header or end, about (future_tokens)
 
 
 @dataclass
@@ -270,7 +271,27 @@ class StreamExecutor:
             # this sequence (trailing text such as a role's end is no request: no continuation)
             continuation=continuation,
             next_turn_after_s=next_turn_after_s if continuation else None,
+            future_tokens=self._future_tokens() if continuation else None,
         )
+
+    def _future_tokens(self) -> int:
+        """About how many tokens the requests queued after this one add to this sequence:
+        their text (at this sequence's tokens per character so far, a few tokens per role
+        marker) and outputs, up to a fork. Nothing is tokenized ahead of time."""
+        with self._queue.mutex:
+            queued = list(self._queue.queue)
+        tokens_per_char = len(self.content.ids) / max(1, len(self.content.text))
+        chars = tokens = 0
+        for node in queued:
+            if isinstance(node, Text):
+                chars += len(node.text)
+            elif isinstance(node, RoleBegin | RoleEnd):
+                tokens += ROLE_MARKER_TOKENS
+            elif isinstance(node, Gen):
+                tokens += node.params.max_new_tokens
+            elif isinstance(node, Fork):
+                break  # branches grow their own sequences
+        return tokens + round(chars * tokens_per_char)
 
     def _params(self, node: Gen) -> SamplingParams:
         """The gen's own settings over the run-level defaults (SGLang's `run(temperature=...)`)."""

@@ -53,6 +53,12 @@ class EngineConfig(BaseModel):
         1024, ge=16, description="prefill tokens per step (decodes are always added)"
     )
     max_running_requests: int = Field(256, ge=1)
+    admission_patience: int = Field(
+        256,
+        ge=0,
+        description="graph eviction: how many later requests may be admitted past a waiting "
+        "request held back so that its admission does not evict KV other requests read soon",
+    )
     attention_backend: str = "auto"
     disable_cuda_graph: bool = Field(
         False, description="run decodes eagerly on CUDA (graphs need the flashinfer backend)"

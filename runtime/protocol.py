@@ -195,6 +195,13 @@ class GraphHints(_Frozen):
         "this many seconds after this one finishes (a tool call's latency, a user's think "
         "time); the graph eviction policy keeps sooner returns longer. Unset: right away",
     )
+    future_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="with continuation: about how many tokens the program's later requests "
+        "add to this sequence (their new prompt text and outputs); graph eviction keeps room "
+        "for the work in flight to finish before it admits new work",
+    )
 
 
 class GenerateRequest(_Frozen):

@@ -35,7 +35,11 @@ def run_rounds(policy: str, future: list[tuple] | None = None) -> tuple[list, di
     """Every user's turn t together, then turn t + 1; each turn extends the conversation with
     the previous reply, as a program does (continuation hint while turns remain)."""
     config = EngineConfig(
-        model="random:tiny", max_kv_tokens=POOL_TOKENS, eviction_policy=policy, record_trace=True
+        model="random:tiny",
+        max_kv_tokens=POOL_TOKENS,
+        eviction_policy=policy,
+        record_trace=True,
+        attention_backend="torch",  # the reference kernel: outputs compared across batchings
     )
     messages = conversations()
     history = [[] for _ in range(NUM_USERS)]
@@ -50,7 +54,11 @@ def run_rounds(policy: str, future: list[tuple] | None = None) -> tuple[list, di
                 requests.append(
                     GenerateRequest(
                         input_ids=history[user],
-                        sampling=SamplingParams(max_new_tokens=REPLY_LEN, ignore_eos=True),
+                        # greedy: the graph policy admits in another order, and sampling
+                        # from the engine's generator would follow that order
+                        sampling=SamplingParams(
+                            max_new_tokens=REPLY_LEN, ignore_eos=True, temperature=0
+                        ),
                         hints=GraphHints(
                             program_id=f"user-{user}", continuation=turn < NUM_TURNS - 1
                         ),

@@ -258,8 +258,8 @@ def test_eviction_order_per_policy(policy):
 
 
 def test_graph_policy_orders_by_known_next_use():
-    """No reader first (LRU), then branches that will be extended (latest first), then queued
-    reads, the farthest queue position first."""
+    """No reader first (LRU), then branches that declared when they return (latest first),
+    then branches back right away, then queued reads, the farthest queue position first."""
     cache = make_cache(policy="graph")
     leaves = {name: [i, i] for i, name in enumerate("ABCDEF", start=1)}
     for seq in leaves.values():
@@ -268,10 +268,10 @@ def test_graph_policy_orders_by_known_next_use():
     def node(name):
         return cache.resolve(cache.match_prefix(leaves[name]).position)
 
-    futures = {"A": (2, -1), "B": (1, -5), "C": None, "D": (2, -7), "E": (1, -9), "F": None}
+    futures = {"A": (3, -1), "B": (1, -5), "C": None, "D": (2, -7), "E": (1, -9), "F": None}
     for name, future in futures.items():
-        node(name).future = future
-        cache.reprioritize(node(name))
+        cache.set_future(node(name), future)
+    assert cache.wanted_size == 4  # A (a queued read) and D (a branch back right away)
     order = ""
     while cache.total_size:
         before = {n for n, seq in leaves.items() if cache.match_prefix(seq).prefix_len}

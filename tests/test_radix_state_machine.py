@@ -13,10 +13,26 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from runtime.cache.allocator import SlotAllocator
-from runtime.cache.eviction import EVICTION_POLICIES
+from runtime.cache.eviction import (
+    CONTINUATION,
+    EVICTION_POLICIES,
+    QUEUED_READ,
+    RETURNING,
+    NextUse,
+)
 from runtime.cache.radix import RadixCache
 
 NAMESPACES = [None, "a", "b"]
+
+
+def _subtree(root):
+    stack = list(root.children.values())
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children.values())
+
+
 NUM_PAGES = {1: 48, 16: 12}  # small pools, so inserts hit pressure and evict
 
 
@@ -140,6 +156,22 @@ class RadixMachine(RuleBasedStateMachine):
         assert num_evicted == removed
         wanted = -(-num_tokens // self.ps) * self.ps  # whole pages
         assert num_evicted == min(wanted, evictable), "evicted more than asked, or stopped early"
+
+    @rule(
+        data=st.data(),
+        future=st.one_of(
+            st.none(),
+            st.builds(
+                NextUse, st.sampled_from([RETURNING, CONTINUATION, QUEUED_READ]), st.integers(-9, 0)
+            ),
+        ),
+    )
+    def set_future(self, data, future):
+        """What graph marks write, on any node, locked or not: `wanted_size` must follow it
+        through later locks, splits and evictions (check_integrity recounts it)."""
+        nodes = [n for root in self.cache.roots().values() for n in _subtree(root)]
+        if nodes:
+            self.cache.set_future(data.draw(st.sampled_from(nodes)), future)
 
     # ------------------------------------------------------------ checks
     def sync_after_evict(self) -> int:

@@ -10,6 +10,8 @@ model instead. The oracle replays the future recorded by a first run of the same
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from arrivals import (
@@ -119,18 +121,7 @@ def run_cell(
 ) -> CellResult:
     """Run the workload's batch in `order` with a `capacity`-slot pool under `policy`; with
     `told_think_times` (interleaved), every continuation declares when its next turn comes."""
-    config = EngineConfig(
-        model=model,
-        max_kv_tokens=capacity,
-        eviction_policy=policy,
-        record_trace=True,
-        attention_backend=ATTENTION,
-    )
-    with Engine(config) as engine:
-        if engine.tokenizer is None:  # a random-weight model: lend it the real tokenizer
-            engine.tokenizer = engine.intake.tokenizer = tokenizer
-        if policy == "oracle":
-            engine.load_eviction_oracle(future or [])
+    with cell_engine(model, tokenizer, capacity, policy, future) as engine:
         local = LocalBackend(engine)
         graphs = [workload.program.compile(backend=local, **args) for args in workload.batch]
         firsts = [g.first_prompt() for g in graphs]
@@ -152,21 +143,50 @@ def run_cell(
         states = workload.program.run_batch(
             workload.batch, backend=backend, progress=False, sampling=REPLY_SAMPLING
         )
-        wall_s = time.perf_counter() - start
-        failed = [s for s in states if not hasattr(s, "text")]
-        assert not failed, failed
-        engine.check_integrity()
-        stats = engine.stats()
-        trace = engine.cache_trace()
-    token_ids = [tuple(s.token_ids()) for s in states]
+        return cell_result(engine, states, time.perf_counter() - start)
+
+
+@contextmanager
+def cell_engine(
+    model: str,
+    tokenizer,
+    capacity: int,
+    policy: str,
+    future: list[tuple] | None = None,
+    page_size: int = 1,
+) -> Iterator[Engine]:
+    """An engine for one cell: a `capacity`-slot pool under `policy`, recording its trace; a
+    random-weight model gets the real tokenizer; the oracle gets its recorded future."""
+    config = EngineConfig(
+        model=model,
+        max_kv_tokens=capacity,
+        eviction_policy=policy,
+        page_size=page_size,
+        record_trace=True,
+        attention_backend=ATTENTION,
+    )
+    with Engine(config) as engine:
+        if engine.tokenizer is None:  # a random-weight model: lend it the real tokenizer
+            engine.tokenizer = engine.intake.tokenizer = tokenizer
+        if policy == "oracle":
+            engine.load_eviction_oracle(future or [])
+        yield engine
+
+
+def cell_result(engine: Engine, states: list, wall_s: float) -> CellResult:
+    """A finished cell's counters, trace and outputs (every instance must have succeeded)."""
+    failed = [s for s in states if not hasattr(s, "text")]
+    assert not failed, failed
+    engine.check_integrity()
+    stats = engine.stats()
     return CellResult(
         stats["prefill_tokens_total"],
         stats["cached_tokens_total"],
         stats["cache_hit_rate"],
         stats["evicted_tokens_total"],
         wall_s,
-        trace,
-        token_ids,
+        engine.cache_trace(),
+        [tuple(s.token_ids()) for s in states],
     )
 
 

@@ -2,7 +2,7 @@
 requests vs transformers, and graph-aware eviction vs LRU vs the offline optimum.
 
     python examples/benchmarks/program_bench.py [--skip-hf] [--skip-eviction] [--skip-programs]
-        [--eviction-only W1|W6] [--arrivals rounds,interleaved] [--think-jitter 0.5]
+        [--eviction-only W1|W6|run_batch] [--arrivals rounds,interleaved] [--think-jitter 0.5]
 
 Part 1, per workload, one run each, greedy, fp32:
   flowlang      run_batch on the engine: graph hints, fork pins, batch pins, trie scoring;
@@ -16,6 +16,10 @@ think time: arrivals.py), KV pools at 25% and 50% of the working set: prefill co
 hit rate under lru, slru, lfu, graph, graph with clients that tell their think times
 (`next_turn_after_s`; interleaved only) and the oracle (farthest recorded next use, oracle.py),
 on a tiny random-weight model with the real tokenizer unless --eviction-model says otherwise.
+Part 3 (issue 32): the run_batch family (batch_cells.py): conversations with private contexts,
+no think time, pools at 25-60% of the working set, page sizes 1 and 16: prefill computed under
+lru, slru, graph and the engine oracle against the offline optimum (Belady replay of the lru
+run's access order). --eviction-only skips part 1.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import argparse
 import time
 from collections import defaultdict
 
+import batch_cells
 import eviction_cells
 import torch
 
@@ -249,6 +254,77 @@ def part2(
                 )
 
 
+BATCH_POLICIES = ("lru", "slru", "graph", "oracle")
+
+
+def part3(
+    model: str,
+    shapes=batch_cells.SHAPES,
+    shares=batch_cells.SHARES,
+    pages=batch_cells.PAGE_SIZES,
+    policies=BATCH_POLICIES,
+) -> None:
+    """The run_batch family (issue 32): prefill computed per policy against the offline
+    optimum (Belady on the lru run's access order); every cell asserts equal outputs."""
+    tokenizer = eviction_cells.load_bench_tokenizer()
+    print(
+        f"\nmodel {model}; run_batch, no think time; replies of fixed length (ignore_eos, "
+        "greedy); one run per cell; optimum = Belady replay of the lru run's access order\n"
+    )
+    policies = ("lru", *(p for p in policies if p != "lru"))  # the optimum replays lru's run
+    header = " | ".join(f"{p} computed" for p in policies)
+    print(
+        f"| batch | page | pool | {header} | optimum | graph ÷ optimum | graph ÷ lru | "
+        "wall s lru / graph |"
+    )
+    print("| --- | ---: | --- |" + " ---: |" * (len(policies) + 4))
+    worst = 0.0
+    for shape in shapes:
+        batch = batch_cells.make_batch(tokenizer, shape)
+        unbounded, full = batch_cells.unbounded_run(batch, tokenizer, model)
+        for page_size in pages:
+            for share in shares:
+                capacity = int(full * share) // page_size * page_size
+                cells = {}
+                for policy in policies:
+                    future = cells["lru"].trace if policy == "oracle" else None
+                    cell = batch_cells.run_cell(
+                        batch, tokenizer, capacity, policy, page_size, future, model
+                    )
+                    assert cell.token_ids == unbounded.token_ids, f"{policy} changed outputs"
+                    cells[policy] = cell
+                optimum = batch_cells.offline_optimum(cells["lru"], capacity)
+                graph, lru = cells["graph"], cells["lru"]
+                worst = max(worst, graph.prefill_computed / optimum)
+                row = " | ".join(f"{c.prefill_computed:,}" for c in cells.values())
+                print(
+                    f"| {shape.name} | {page_size} | {share:.0%} of {full:,} = {capacity:,} | "
+                    f"{row} | {optimum:,} | {graph.prefill_computed / optimum:.2f}x | "
+                    f"{graph.prefill_computed / lru.prefill_computed:.2f}x | "
+                    f"{lru.wall_s:.1f} / {graph.wall_s:.1f} |",
+                    flush=True,
+                )
+    print(f"\nworst graph ÷ optimum: {worst:.2f}x")
+
+
+def diagnose(shape_index: int = 0, share: float = 0.35) -> None:
+    """Issue 32's diagnosis on one cell: the state at the first eviction under each policy."""
+    tokenizer = eviction_cells.load_bench_tokenizer()
+    batch = batch_cells.make_batch(tokenizer, batch_cells.SHAPES[shape_index])
+    _, full = batch_cells.unbounded_run(batch, tokenizer)
+    capacity = int(full * share)
+    print(f"\n{batch_cells.SHAPES[shape_index].name}, pool {capacity:,}: at the first eviction\n")
+    print("| policy | running | locked tokens | evictable tokens | of them read by waiting |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    lru = batch_cells.run_cell(batch, tokenizer, capacity, "lru")
+    for policy in ("lru", "oracle", "graph"):
+        state = batch_cells.first_eviction(batch, tokenizer, capacity, policy, lru.trace)
+        print(
+            f"| {policy} | {state.running} | {state.locked_tokens:,} | "
+            f"{state.evictable_tokens:,} | {state.waiting_reads:,} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-hf", action="store_true")
@@ -257,10 +333,27 @@ def main() -> None:
     parser.add_argument("--eviction-w1", type=int, default=64, help="W1 users (3 turns)")
     parser.add_argument("--eviction-w6", type=int, default=32, help="W6 conversations")
     parser.add_argument("--eviction-model", default=eviction_cells.TINY_MODEL)
-    parser.add_argument("--eviction-only", choices=("W1", "W6"), help="one workload's rows")
+    parser.add_argument(
+        "--eviction-only",
+        choices=("W1", "W6", "run_batch"),
+        help="one workload's rows; run_batch: the run_batch family alone (batch_cells.py)",
+    )
     parser.add_argument("--arrivals", default="rounds,interleaved", help="orders, comma separated")
     parser.add_argument(
         "--think-jitter", type=float, default=eviction_cells.THINK_JITTER, help="0: predictable"
+    )
+    parser.add_argument(
+        "--batch-shapes", default=None, help="run_batch family: shape indices, comma separated"
+    )
+    parser.add_argument("--batch-shares", default=None, help="run_batch family: pool shares")
+    parser.add_argument("--batch-pages", default=None, help="run_batch family: page sizes")
+    parser.add_argument(
+        "--batch-policies", default=",".join(BATCH_POLICIES), help="run_batch family: policies"
+    )
+    parser.add_argument(
+        "--batch-diagnose",
+        action="store_true",
+        help="run_batch family: the state at the first eviction, lru and graph (first cell)",
     )
     parser.add_argument("--w1", type=int, default=8)
     parser.add_argument("--w2", type=int, default=16)
@@ -268,12 +361,17 @@ def main() -> None:
     parser.add_argument("--w4", type=int, default=8)
     parser.add_argument("--w6", type=int, default=8)
     args = parser.parse_args()
-    if not args.skip_programs:
+    if args.batch_diagnose:
+        diagnose()
+        return
+    if not args.skip_programs and args.eviction_only is None:
         part1(
             args.skip_hf,
             {"W1": args.w1, "W2": args.w2, "W3": args.w3, "W4": args.w4, "W6": args.w6},
         )
-    if not args.skip_eviction:
+    if args.skip_eviction:
+        return
+    if args.eviction_only != "run_batch":
         part2(
             args.eviction_w1,
             args.eviction_w6,
@@ -281,6 +379,19 @@ def main() -> None:
             args.eviction_only,
             args.think_jitter,
             args.arrivals.split(","),
+        )
+    if args.eviction_only in (None, "run_batch"):
+        shapes = batch_cells.SHAPES
+        if args.batch_shapes:
+            shapes = tuple(shapes[int(i)] for i in args.batch_shapes.split(","))
+        shares = tuple(map(float, args.batch_shares.split(","))) if args.batch_shares else None
+        pages = tuple(map(int, args.batch_pages.split(","))) if args.batch_pages else None
+        part3(
+            args.eviction_model,
+            shapes,
+            shares or batch_cells.SHARES,
+            pages or batch_cells.PAGE_SIZES,
+            tuple(args.batch_policies.split(",")),
         )
 
 

@@ -33,6 +33,7 @@ class PrefixCache(Protocol):
     can_share: bool  # whether inserted tokens are matched later (prefill-once waits need it)
     evictable_size: int
     protected_size: int
+    wanted_size: int  # evictable tokens a known reader needs soon (the policy's `wanted`)
     num_nodes: int
     num_evicted_tokens: int
 
@@ -103,7 +104,7 @@ class NullCache:
     def __init__(self, allocator: SlotAllocator) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
-        self.evictable_size = self.protected_size = self.num_nodes = 0
+        self.evictable_size = self.protected_size = self.wanted_size = self.num_nodes = 0
         self.num_evicted_tokens = 0
         self.event_sink = None  # KV events: nothing is ever stored, so never called
         self._root = TreeNode((), _EMPTY, None, 0, 0)

@@ -7,10 +7,24 @@ import itertools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from runtime.cache.radix import TreeNode
+
+
+class NextUse(NamedTuple):
+    """A node's known next use (the "graph" policy); compared as a tuple, a larger one is kept
+    longer. Nodes with no known next use (`None`) rank below every NextUse, least recently used
+    first. Written by `GraphMarks` (graph_marks.py)."""
+
+    kind: int  # RETURNING, CONTINUATION or QUEUED_READ
+    order: float  # within a kind, larger is sooner: -expected return s, or -queue rank
+
+
+RETURNING = 1  # a paused program branch declared when it will be back to extend this path
+CONTINUATION = 2  # a paused program branch will extend this path right away
+QUEUED_READ = 3  # a waiting request reads this path
 
 
 class EvictionPolicy(ABC):
@@ -26,6 +40,12 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def priority(self, node: TreeNode) -> Any:
         """Sort key; smaller is evicted first. Ties go to the node that became a candidate first."""
+
+    def wanted(self, node: TreeNode) -> bool:
+        """Whether a known reader needs `node` soon: admission keeps such KV rather than evict
+        it for a request that reads less (`RadixCache.wanted_size`). Wanted nodes must rank
+        after every unwanted one. Only a policy that knows the future wants anything."""
+        return False
 
 
 class LRUPolicy(EvictionPolicy):
@@ -87,14 +107,17 @@ class SLRUPolicy(EvictionPolicy):
 class GraphPolicy(EvictionPolicy):
     """Evict by estimated next use, known from the program graph; recency breaks ties.
 
-    `node.future` is written by `GraphMarks` (graph_marks.py), which calls `reprioritize`:
+    `node.future` is written by `GraphMarks` (graph_marks.py) through `RadixCache.set_future`:
     - None: no known reader: evicted first, least recently used first;
-    - NextUse(CONTINUATION, -t): a program branch that paused here is expected back at time t
-      to extend it (its next request is not queued yet, so it is needed after everything
-      already waiting);
+    - NextUse(RETURNING, -t): a program branch that paused here declared it is back at time t
+      to extend it;
+    - NextUse(CONTINUATION, -t): a branch that paused here at t is back right away (its next
+      request is not queued yet, so it is needed after everything already waiting);
     - NextUse(QUEUED_READ, -rank): a waiting request at queue position `rank` reads it.
     Belady's rule, with the next use taken from the queue and the programs instead of guessed.
-    Pinned prefixes (fork and run_batch shared prefixes) are locked and never candidates.
+    Continuations and queued reads are wanted: admission does not evict them for a request
+    that reads less while anything else runs (scheduler.py). Pinned prefixes (fork and
+    run_batch shared prefixes) are locked and never candidates.
     """
 
     name = "graph"
@@ -102,6 +125,10 @@ class GraphPolicy(EvictionPolicy):
     def priority(self, node: TreeNode) -> Any:
         future = node.future
         return (0, node.last_access_time) if future is None else future
+
+    def wanted(self, node: TreeNode) -> bool:
+        future = node.future
+        return future is not None and future[0] >= CONTINUATION
 
 
 class OraclePolicy(EvictionPolicy):

@@ -3,30 +3,25 @@
 The scheduler knows the future better than recency does: which waiting request reads which
 cached path (and in what order it will be admitted), and which program branch just paused at a
 leaf it will extend with its next turn. `GraphMarks` writes that knowledge onto tree nodes as
-`NextUse` values; `GraphPolicy` (eviction.py) evicts the node whose next use is farthest.
-`NoMarks` is the same interface for every other policy, and does nothing.
+`NextUse` values (eviction.py); `GraphPolicy` evicts the node whose next use is farthest, and
+admission keeps the wanted ones (queued reads, branches back right away). `NoMarks` is the
+same interface for every other policy, and does nothing.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import NamedTuple
 
+from runtime.cache.eviction import CONTINUATION, QUEUED_READ, RETURNING, NextUse
 from runtime.cache.radix import RadixCache, TreeNode, TreePosition
 
+__all__ = ["CONTINUATION", "QUEUED_READ", "RETURNING", "GraphMarks", "NextUse", "NoMarks"]
 
-class NextUse(NamedTuple):
-    """A node's known next use; compared as a tuple, a larger one is kept longer.
-
-    Nodes with no known next use (`None`) rank below every NextUse, least recently used first.
-    """
-
-    kind: int  # CONTINUATION or QUEUED_READ
-    order: float  # within a kind, larger is sooner: -expected return s, or -queue rank
-
-
-CONTINUATION = 1  # a paused program branch will extend this path (after everything queued)
-QUEUED_READ = 2  # a waiting request reads this path
+# a branch that said it is back right away and is not back after this long (on the eviction
+# clock) is forgotten: a client that went away must not keep its KV wanted
+CONTINUATION_GRACE_S = 30.0
 
 
 class NoMarks:
@@ -35,7 +30,9 @@ class NoMarks:
     def mark_queued_reads(self, positions: Callable[[], Iterable[TreePosition]]) -> None:
         pass  # never asks for the positions: ordering and matching them is not free
 
-    def mark_continuation(self, position: TreePosition, return_s: float) -> None:
+    def mark_continuation(
+        self, position: TreePosition, return_s: float, immediate: bool = False
+    ) -> None:
         pass
 
     def mark_read(self, position: TreePosition) -> None:
@@ -44,20 +41,24 @@ class NoMarks:
     def mark_access(self, namespace: Hashable, ids: Sequence[int], match_limit: int) -> None:
         pass  # only a recorded future (oracle.py) needs every admission
 
+    def advance(self, now_s: float) -> None:
+        pass
+
 
 class GraphMarks(NoMarks):
     """Keeps `node.future` current for the "graph" eviction policy.
 
     Two kinds of readers are known, and a node ranks by its soonest one:
     - queued reads: each waiting request's matched path, by admission order (the scheduling
-      policy's order, fork groups kept together), refreshed before each eviction;
+      policy's order, fork groups kept together), refreshed before each eviction and before
+      admission weighs what it may evict;
     - continuations: a program branch that finished a request and has more work (its next
-      turn) will extend that path, expected back when it paused plus the delay its hints
-      declare (`next_turn_after_s`; none: right away). Without declared delays the earliest
-      paused is the soonest back, so in the cyclic case (more conversations than fit) the
-      latest paused go first and a stable subset stays. A continuation mark lasts until a
-      request reads the path again: a conversation whose last turn was admitted has no future
-      left and goes first.
+      turn) will extend that path: right away (no declared delay: CONTINUATION, by pause
+      time, so in the cyclic case the earliest paused are the soonest back and a stable
+      subset stays), or when it declared (`next_turn_after_s`: RETURNING, by expected return).
+      A continuation mark lasts until a request reads the path again: a conversation whose
+      last turn was admitted has no future left and goes first. One that is back right away
+      but is not back within CONTINUATION_GRACE_S is forgotten.
     `future_base` is what a node falls back to when queued-read marks are refreshed.
     Pinned prefixes (fork and run_batch shared prefixes) are locked and never candidates.
     """
@@ -65,6 +66,8 @@ class GraphMarks(NoMarks):
     def __init__(self, cache: RadixCache) -> None:
         self.cache = cache
         self._queued: list[TreeNode] = []  # nodes carrying last pass's queued-read marks
+        self._immediate: list[tuple[float, int, TreeNode, NextUse]] = []  # heap: oldest first
+        self._seq = itertools.count()
 
     def mark_queued_reads(self, positions: Callable[[], Iterable[TreePosition]]) -> None:
         """Mark each waiting request's matched path, `positions()` in admission order: a node
@@ -82,28 +85,27 @@ class GraphMarks(NoMarks):
                 node = node.parent
         for node in self._queued:  # last pass's readers that are gone: back to the base
             if id(node) not in marks:
-                self._set(node, node.future_base)
+                self.cache.set_future(node, node.future_base)
         for node, mark in marks.values():
-            self._set(node, mark)
+            self.cache.set_future(node, mark)
         self._queued = [node for node, _ in marks.values()]
 
-    def _set(self, node: TreeNode, future: NextUse | None) -> None:
-        if node.future != future:
-            node.future = future
-            self.cache.reprioritize(node)
-
-    def mark_continuation(self, position: TreePosition, return_s: float) -> None:
+    def mark_continuation(
+        self, position: TreePosition, return_s: float, immediate: bool = False
+    ) -> None:
         """A branch paused at `position`; it will extend the path at about `return_s` (on the
-        scheduler's clock). A shared node keeps the soonest continuation through it."""
-        mark = NextUse(CONTINUATION, -return_s)
+        scheduler's clock), `immediate`ly if it declared no delay. A shared node keeps the
+        soonest continuation through it."""
+        mark = NextUse(CONTINUATION if immediate else RETURNING, -return_s)
         node = self.cache.resolve(position)
+        if immediate:
+            heapq.heappush(self._immediate, (return_s, next(self._seq), node, mark))
         while node.parent is not None:
             base = node.future_base
-            if base is None or (base.kind == CONTINUATION and base < mark):
+            if base is None or base < mark:
                 node.future_base = mark
-                if node.future is None or node.future.kind == CONTINUATION:
-                    node.future = mark
-                    self.cache.reprioritize(node)
+                if node.future is None or node.future.kind != QUEUED_READ:
+                    self.cache.set_future(node, mark)
             node = node.parent
 
     def mark_read(self, position: TreePosition) -> None:
@@ -112,7 +114,19 @@ class GraphMarks(NoMarks):
         node = self.cache.resolve(position)
         while node.parent is not None:
             if node.future_base is not None:
-                node.future_base = None
-                if node.future is not None and node.future.kind == CONTINUATION:
-                    node.future = None
+                self._forget(node)
             node = node.parent
+
+    def advance(self, now_s: float) -> None:
+        """Once a step: forget continuations that said "right away" and are overdue."""
+        heap = self._immediate
+        while heap and heap[0][0] < now_s - CONTINUATION_GRACE_S:
+            _, _, node, mark = heapq.heappop(heap)
+            while node.parent is not None and not node.evicted and node.future_base == mark:
+                self._forget(node)
+                node = node.parent
+
+    def _forget(self, node: TreeNode) -> None:
+        node.future_base = None
+        if node.future is not None and node.future.kind != QUEUED_READ:
+            self.cache.set_future(node, None)

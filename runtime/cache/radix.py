@@ -79,7 +79,7 @@ class TreeNode:
         self.candidate_seq: int | None = None  # set while in the eviction candidate queue
         self.evicted = False
         self.version = 0  # bumped when a match ending here could now go further (see _bump)
-        self.future: tuple | None = None  # "graph" policy: known NextUse (graph_marks.py)
+        self.future: tuple | None = None  # "graph" policy: known NextUse (set_future)
         self.future_base: tuple | None = None  # ... and what it falls back to when refreshed
 
     def __repr__(self) -> str:
@@ -245,10 +245,13 @@ class RadixCache:
         node = self._node_at(where, split=True)
         now = self._tick()
         delta = 0
+        wanted = self.policy.wanted
         while node.parent is not None:
             if node.lock_ref == 0:
                 delta -= len(node.key)
                 self._candidates.discard(node)
+                if wanted(node):
+                    self.wanted_size -= len(node.key)
             node.lock_ref += 1
             node.hit_count += 1
             node.last_access_time = now
@@ -264,11 +267,14 @@ class RadixCache:
             raise RadixCacheError(f"unlock of a prefix that is not locked: {node!r}")
         now = self._tick()
         delta = 0
+        wanted = self.policy.wanted
         while node.parent is not None:
             node.lock_ref -= 1
             node.last_access_time = now
             if node.lock_ref == 0:
                 delta += len(node.key)
+                if wanted(node):
+                    self.wanted_size += len(node.key)
                 if not node.children:
                     self._candidates.add(node)
             node = node.parent
@@ -334,6 +340,19 @@ class RadixCache:
         if node.candidate_seq is not None:
             self._candidates.add(node)
 
+    def set_future(self, node: TreeNode, future: tuple | None) -> None:
+        """Set what the policy knows of `node`'s next use (graph_marks.py), keeping the
+        candidate order and `wanted_size` in step."""
+        if node.future == future:
+            return
+        unlocked = node.lock_ref == 0 and not node.evicted
+        if unlocked and self.policy.wanted(node):
+            self.wanted_size -= len(node.key)
+        node.future = future
+        if unlocked and self.policy.wanted(node):
+            self.wanted_size += len(node.key)
+        self.reprioritize(node)
+
     def reset(self) -> None:
         """Drop every cached token and return its slots; fails if any prefix is locked."""
         locked = [n for n in self._iter_nodes() if n.lock_ref > 0]
@@ -372,7 +391,7 @@ class RadixCache:
     def check_integrity(self, num_caller_slots: int | None = None) -> None:
         """Assert every structural invariant; with `num_caller_slots`, also slot conservation."""
         ps = self.page_size
-        evictable = protected = num_nodes = 0
+        evictable = protected = wanted = num_nodes = 0
         candidates: set[int] = set()
         slot_chunks: list[torch.Tensor] = []
         for root in self._roots.values():
@@ -400,6 +419,7 @@ class RadixCache:
                         protected += len(child.key)
                     else:
                         evictable += len(child.key)
+                        wanted += len(child.key) if self.policy.wanted(child) else 0
                     num_nodes += 1
                     slot_chunks.append(child.value)
                     stack.append(child)
@@ -407,6 +427,7 @@ class RadixCache:
                     assert node.lock_ref >= child_locks, f"lock_ref below children's: {node!r}"
         assert evictable == self.evictable_size, f"{evictable=} != {self.evictable_size=}"
         assert protected == self.protected_size, f"{protected=} != {self.protected_size=}"
+        assert wanted == self.wanted_size, f"{wanted=} != {self.wanted_size=}"
         assert num_nodes == self.num_nodes, f"{num_nodes=} != {self.num_nodes=}"
         assert {id(n) for n in self._candidates.nodes()} == candidates, "candidate queue drifted"
         slots = torch.cat(slot_chunks) if slot_chunks else _EMPTY
@@ -475,6 +496,7 @@ class RadixCache:
         self._slot_in_tree = torch.zeros(self.allocator.num_slots, dtype=torch.bool)
         self.evictable_size = 0
         self.protected_size = 0
+        self.wanted_size = 0  # evictable tokens the policy says a known reader needs soon
         self.num_nodes = 0
 
     def _root(self, namespace: Namespace) -> TreeNode:
@@ -538,7 +560,12 @@ class RadixCache:
         upper.creation_time = node.creation_time
         upper.hit_count = node.hit_count
         upper.lock_ref = node.lock_ref
+        unlocked = node.lock_ref == 0
+        if unlocked and self.policy.wanted(node):
+            self.wanted_size -= offset  # the head moves to `upper`, whose future may differ
         upper.future = upper.future_base = node.future_base  # a reader of node reads upper
+        if unlocked and self.policy.wanted(upper):
+            self.wanted_size += offset
         parent.children[self._child_key(node.key, 0)] = upper
         node.key = node.key[offset:]
         node.value = node.value[offset:].clone()
@@ -569,6 +596,8 @@ class RadixCache:
         node.evicted = True
         self.num_nodes -= 1
         self.evictable_size -= len(node.key)
+        if self.policy.wanted(node):
+            self.wanted_size -= len(node.key)
         if parent.parent is not None and not parent.children and parent.lock_ref == 0:
             return parent
         return None

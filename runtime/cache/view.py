@@ -15,9 +15,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from runtime.cache.graph_marks import CONTINUATION, QUEUED_READ
+from runtime.cache.eviction import CONTINUATION, QUEUED_READ, RETURNING
 
-NEXT_USE_WORDS = {CONTINUATION: "continuation", QUEUED_READ: "queued read"}
+NEXT_USE_WORDS = {
+    RETURNING: "continuation",
+    CONTINUATION: "continuation",
+    QUEUED_READ: "queued read",
+}
 REDACTED = "(hidden)"
 
 

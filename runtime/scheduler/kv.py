@@ -31,11 +31,11 @@ import torch
 
 from runtime.cache.allocator import SlotAllocator
 from runtime.cache.base import NullCache, PrefixCache
-from runtime.cache.graph_marks import GraphMarks, NoMarks
+from runtime.cache.graph_marks import CONTINUATION_GRACE_S, GraphMarks, NoMarks
 from runtime.cache.oracle import OracleMarks
 from runtime.cache.radix import RadixCache, TreePosition
 from runtime.config import EngineConfig
-from runtime.scheduler.request import Req
+from runtime.scheduler.request import Req, ReqStatus
 
 
 class KVManager:
@@ -58,11 +58,15 @@ class KVManager:
             self.cache = RadixCache(self.allocator, self.page_size, config.eviction_policy)
             marks = {"graph": GraphMarks, "oracle": OracleMarks}.get(config.eviction_policy)
             self.marks = marks(self.cache) if marks else NoMarks()
+        # admission holds back requests that would evict KV a known reader needs soon
+        self.keeps_wanted = isinstance(self.marks, GraphMarks)
         self._queued_positions = queued_positions  # waiting requests' matches, admission order
         # seconds; times when paused branches are expected back (benchmarks set a simulated one)
         self.clock: Callable[[], float] = time.monotonic
         self.now_s = 0.0  # read once a step: branches pausing in one step tie, deterministically
         self.trace: list[tuple] | None = [] if config.record_trace else None
+        # paused branches back right away: (program, branch) -> (pause s, tokens still to come)
+        self._in_flight: dict[tuple[str, str | None], tuple[float, int]] = {}
 
     # ------------------------------------------------------------------ sizes
     def available_slots(self, reserved: int) -> int:
@@ -92,6 +96,36 @@ class KVManager:
     def read_clock(self) -> None:
         """Once a step, before anything is released: the time paused branches are timed by."""
         self.now_s = self.clock()
+        self.marks.advance(self.now_s)
+
+    def arrived(self, req: Req) -> None:
+        """A request reached the queue: its branch's next turn is no longer to come."""
+        if self._in_flight:
+            self._in_flight.pop((req.hints.program_id, req.hints.branch_id), None)
+
+    def in_flight_tokens(self, running: Sequence[Req], paused: bool = True) -> int:
+        """About how many tokens the work in flight will still add (GraphHints.future_tokens):
+        branches paused to come back right away (within the grace; with `paused`) and
+        running requests that will pause so."""
+        total = 0
+        if paused:
+            expired = [
+                key
+                for key, (pause_s, _) in self._in_flight.items()
+                if pause_s < self.now_s - CONTINUATION_GRACE_S
+            ]
+            for key in expired:
+                del self._in_flight[key]
+            total = sum(tokens for _, tokens in self._in_flight.values())
+        return total + sum(
+            r.hints.future_tokens or 0
+            for r in running
+            if r.hints.continuation and not r.hints.next_turn_after_s
+        )
+
+    def mark_queued_reads(self) -> None:
+        """Refresh the waiting requests' queued-read marks (graph eviction's future)."""
+        self.marks.mark_queued_reads(self._queued_positions)
 
     # ------------------------------------------------------------------ protocol
     def take_prefix(self, req: Req, position: TreePosition) -> int:
@@ -160,7 +194,10 @@ class KVManager:
             self.cache_prefix(req)
             if req.hints.continuation and req.lock_pos is not None:
                 after_s = req.hints.next_turn_after_s or 0.0
-                self.marks.mark_continuation(req.lock_pos, self.now_s + after_s)
+                self.marks.mark_continuation(req.lock_pos, self.now_s + after_s, not after_s)
+                if not after_s and self.keeps_wanted and req.hints.program_id is not None:
+                    key = (req.hints.program_id, req.hints.branch_id)
+                    self._in_flight[key] = (self.now_s, req.hints.future_tokens or 0)
         if req.lock_pos is not None:
             self.cache.unlock(req.lock_pos)
         self.free(req.slots[req.num_locked :])
@@ -178,7 +215,10 @@ class KVManager:
     def check_integrity(self, holders: Sequence[Req]) -> None:
         """Assert each holder's locked prefix is the tree's, and slot conservation."""
         for req in holders:
-            assert req.num_locked <= req.num_computed <= req.capacity, req
+            if req.status is ReqStatus.PINNED:  # keeps its locked whole pages, nothing more
+                assert req.num_locked == req.capacity <= req.num_computed, req
+            else:
+                assert req.num_locked <= req.num_computed <= req.capacity, req
             assert req.num_locked % self.page_size == 0, req
             if req.num_locked:
                 match = self.cache.match_prefix(req.all_ids[: req.num_locked], req.namespace)

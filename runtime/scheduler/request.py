@@ -81,6 +81,7 @@ class Req:
         self.cached_tokens: int | None = None  # prefix hit at first admission
         self.admit_seq = -1
         self.num_retractions = 0
+        self.num_passed = 0  # later requests admitted while this one was held back
         self.error: str | None = None
         self.error_kind: str | None = None  # "invalid" | "busy" | "internal" | "timeout"
         # the last known cache match while waiting (SchedulePolicy.match keeps it current)

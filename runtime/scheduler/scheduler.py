@@ -84,6 +84,7 @@ class Scheduler:
     def add(self, req: Req) -> None:
         req.status = ReqStatus.WAITING
         self.waiting[req.rid] = req
+        self.kv.arrived(req)
         if req.deadline is not None:  # a retracted request comes back: a second entry is inert
             heapq.heappush(self._deadlines, (req.deadline, req.arrival, req))
 
@@ -161,7 +162,10 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[BatchEntry]:
         entries: list[BatchEntry] = []
-        available = self.kv.available_slots(sum(map(self._reserved_slots, self.running)))
+        reserved = sum(map(self._reserved_slots, self.running))
+        available = self.kv.available_slots(reserved)
+        held: list[Req] = []  # held back to keep what others read soon; admitted ones pass them
+        flight = _InFlight(self.kv, self.running) if self.kv.keeps_wanted else None
         for req in self.policy.order(list(self.waiting.values())):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
@@ -175,6 +179,9 @@ class Scheduler:
                     self._fail_too_large(req, need)
                     continue
                 break
+            if flight is not None and self._holds_back(req, need, reserved, flight):
+                held.append(req)
+                continue
             del self.waiting[req.rid]
             self._start(req, position)
             available -= need
@@ -191,7 +198,34 @@ class Scheduler:
             self.running.append(req)
             entries.append(_prefill_entry(req, num_new))
             budget -= num_new
+            reserved += self._reserved_slots(req)
+            if flight is not None:
+                flight.admitted(req)
+            for waiting in held:
+                waiting.num_passed += 1
         return entries
+
+    def _holds_back(self, req: Req, need: int, reserved: int, flight: _InFlight) -> bool:
+        """Graph eviction: whether `req` waits so that work in flight keeps its KV (Belady's
+        victim would be what a running request leaves behind once done; the cyclic case).
+        - New work (it computes more than it reads from the cache) waits unless free and
+          unwanted KV cover it and what the work in flight will still add (future_tokens);
+        - a request that mostly reads the cache waits only if it would evict more KV that
+          others read soon (waiting requests, branches back right away) than it reads.
+        It never waits with nothing running, nor once `admission_patience` requests passed it."""
+        if not self.running or req.num_passed >= self.config.admission_patience:
+            return False
+        reads = req.match_pos.prefix_len
+        new_work = req.num_tokens - reads > reads
+        # room for the work in flight to finish, this request's own later turns included
+        room = need + (flight.future_tokens() + flight.own_future(req) if new_work else 0)
+        if room <= self.kv.allocator.num_free_slots - reserved:
+            return False
+        unwanted = flight.unwanted_slots(reserved)
+        if room - unwanted <= (0 if new_work else reads):
+            return False
+        self.counters["admissions_held"] += 1
+        return True
 
     def _start(self, req: Req, position) -> None:
         req.status = ReqStatus.RUNNING
@@ -341,6 +375,7 @@ class Scheduler:
             "evicted_tokens_total": cache.num_evicted_tokens,
             "retractions_total": c["retractions"],
             "prefill_waits_total": c["prefill_waits"],
+            "admissions_held_total": c["admissions_held"],
             "requests_finished_total": c["finished"],
             "requests_aborted_total": c["aborted"],
             "requests_failed_total": c["errors"],
@@ -354,6 +389,7 @@ class Scheduler:
             "cache_tokens": cache.total_size,
             "cache_evictable_tokens": cache.evictable_size,
             "cache_protected_tokens": cache.protected_size,
+            "cache_wanted_tokens": cache.wanted_size,
             "cache_nodes": cache.num_nodes,
             "schedule_rematches_total": self.policy.num_rematches,
             "new_token_ratio": self.new_token_ratio,
@@ -365,6 +401,35 @@ class Scheduler:
         for req in self.waiting.values():
             assert req.capacity == 0 and req.lock_pos is None, f"waiting {req} holds KV"
         self.kv.check_integrity([*self.running, *self.pins.values()])
+
+
+class _InFlight:
+    """One admission pass's view of the work in flight (graph eviction), taken on first need:
+    the tokens paused and running programs will still add, and fresh queued-read marks."""
+
+    def __init__(self, kv: KVManager, running: list[Req]) -> None:
+        self.kv = kv
+        self.running = running
+        self._future_tokens: int | None = None
+        self._marked = False
+
+    def future_tokens(self) -> int:
+        if self._future_tokens is None:
+            self._future_tokens = self.kv.in_flight_tokens(self.running)
+        return self._future_tokens
+
+    def admitted(self, req: Req) -> None:
+        if self._future_tokens is not None:
+            self._future_tokens += self.own_future(req)
+
+    def own_future(self, req: Req) -> int:
+        return self.kv.in_flight_tokens([req], paused=False)
+
+    def unwanted_slots(self, reserved: int) -> int:
+        if not self._marked:
+            self.kv.mark_queued_reads()
+            self._marked = True
+        return self.kv.available_slots(reserved) - self.kv.cache.wanted_size
 
 
 def _notify(callback: Callable[[Req], None] | None, req: Req) -> None:

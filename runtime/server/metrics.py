@@ -11,6 +11,7 @@ COUNTERS = {
     "evicted_tokens_total",
     "retractions_total",
     "prefill_waits_total",
+    "admissions_held_total",
     "requests_finished_total",
     "requests_aborted_total",
     "requests_failed_total",
