@@ -154,13 +154,23 @@ def test_the_page_renders_in_chromium_and_shows_what_metrics_says(keyed, tmp_pat
         )
         status = driver.find_element(By.ID, "status")
         assert status.get_attribute("class") != "error", status.text
-        shown = {
-            el.get_attribute("data-stat"): el.text
-            for el in driver.find_elements(By.CSS_SELECTOR, "[data-stat]")
-        }
-        tree_texts = [el.text for el in driver.find_elements(By.CSS_SELECTOR, "#tree svg text")]
-        pin_rows = [el.text for el in driver.find_elements(By.CSS_SELECTOR, "#pins tbody tr")]
-        chart_lines = len(driver.find_elements(By.CSS_SELECTOR, "#chart-tokens polyline"))
+        # one read in the page's own event loop: the next poll redraws the tree and the pins
+        # while an element-by-element read would still be going (stale elements)
+        page = driver.execute_script(
+            """
+            const texts = (selector) =>
+              [...document.querySelectorAll(selector)].map((el) => el.textContent.trim());
+            return {
+              shown: Object.fromEntries([...document.querySelectorAll("[data-stat]")].map(
+                (el) => [el.getAttribute("data-stat"), el.innerText.trim()])),
+              tree: texts("#tree svg text"),
+              pins: [...document.querySelectorAll("#pins tbody tr")].map((el) => el.innerText),
+              lines: document.querySelectorAll("#chart-tokens polyline").length,
+            };
+            """
+        )
+        shown, tree_texts, pin_rows = page["shown"], page["tree"], page["pins"]
+        chart_lines = page["lines"]
         driver.save_screenshot(str(tmp_path / "dashboard.png"))
     finally:
         driver.quit()
