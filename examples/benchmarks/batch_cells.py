@@ -15,15 +15,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from eviction_cells import (  # noqa: F401 - load_bench_tokenizer for callers
-    ATTENTION,
-    REPLY_SAMPLING,
-    TINY_MODEL,
-    CellResult,
-    cell_engine,
-    cell_result,
-    load_bench_tokenizer,
-)
+from eviction_cells import REPLY_SAMPLING, TINY_MODEL, CellResult, cell_engine, cell_result
 
 from flowlang import assistant, gen, program, system, user
 from flowlang.backends.local import LocalBackend
