@@ -103,25 +103,18 @@ class KVManager:
         if self._in_flight:
             self._in_flight.pop((req.hints.program_id, req.hints.branch_id), None)
 
-    def in_flight_tokens(self, running: Sequence[Req], paused: bool = True) -> int:
+    def in_flight_tokens(self, running: Sequence[Req]) -> int:
         """About how many tokens the work in flight will still add (GraphHints.future_tokens):
-        branches paused to come back right away (within the grace; with `paused`) and
-        running requests that will pause so."""
-        total = 0
-        if paused:
-            expired = [
-                key
-                for key, (pause_s, _) in self._in_flight.items()
-                if pause_s < self.now_s - CONTINUATION_GRACE_S
-            ]
-            for key in expired:
-                del self._in_flight[key]
-            total = sum(tokens for _, tokens in self._in_flight.values())
-        return total + sum(
-            r.hints.future_tokens or 0
-            for r in running
-            if r.hints.continuation and not r.hints.next_turn_after_s
-        )
+        branches paused to come back right away (within the grace) and running requests."""
+        expired = [
+            key
+            for key, (pause_s, _) in self._in_flight.items()
+            if pause_s < self.now_s - CONTINUATION_GRACE_S
+        ]
+        for key in expired:
+            del self._in_flight[key]
+        paused = sum(tokens for _, tokens in self._in_flight.values())
+        return paused + sum(map(future_tokens, running))
 
     def mark_queued_reads(self) -> None:
         """Refresh the waiting requests' queued-read marks (graph eviction's future)."""
@@ -226,3 +219,11 @@ class KVManager:
                 assert torch.equal(match.indices, req.slots[: req.num_locked]), req
         owned = sum(r.capacity - r.num_locked for r in holders)
         self.cache.check_integrity(num_caller_slots=owned)
+
+
+def future_tokens(req: Req) -> int:
+    """What a request's program will still add to its sequence after it, if it is back right
+    away (0 otherwise: a declared return is not work in flight)."""
+    hints = req.hints
+    right_away = hints.continuation and not hints.next_turn_after_s
+    return (hints.future_tokens or 0) if right_away else 0

@@ -32,7 +32,7 @@ import torch
 from runtime.config import EngineConfig
 from runtime.model.batch import ForwardBatch
 from runtime.model.sampler import sample
-from runtime.scheduler.kv import KVManager
+from runtime.scheduler.kv import KVManager, future_tokens
 from runtime.scheduler.policy import SchedulePolicy
 from runtime.scheduler.request import Req, ReqKind, ReqStatus
 
@@ -218,7 +218,7 @@ class Scheduler:
         reads = req.match_pos.prefix_len
         new_work = req.num_tokens - reads > reads
         # room for the work in flight to finish, this request's own later turns included
-        room = need + (flight.future_tokens() + flight.own_future(req) if new_work else 0)
+        room = need + (flight.future_tokens() + future_tokens(req) if new_work else 0)
         if room <= self.kv.allocator.num_free_slots - reserved:
             return False
         unwanted = flight.unwanted_slots(reserved)
@@ -420,10 +420,7 @@ class _InFlight:
 
     def admitted(self, req: Req) -> None:
         if self._future_tokens is not None:
-            self._future_tokens += self.own_future(req)
-
-    def own_future(self, req: Req) -> int:
-        return self.kv.in_flight_tokens([req], paused=False)
+            self._future_tokens += future_tokens(req)
 
     def unwanted_slots(self, reserved: int) -> int:
         if not self._marked:
