@@ -115,7 +115,7 @@ def add_serve(commands: Commands) -> None:
     """`flowlang serve`: the engine over HTTP."""
     from runtime.cache.eviction import EVICTION_POLICIES  # torch-free
     from runtime.cluster.policy import POLICIES as ROUTING_POLICIES
-    from runtime.config import DEVICES, SCHEDULE_POLICIES
+    from runtime.config import DEVICES, KV_WRITE_POLICIES, SCHEDULE_POLICIES
 
     serve = commands.add_parser(
         "serve",
@@ -167,6 +167,35 @@ def add_serve(commands: Commands) -> None:
         default="lru",
         choices=tuple(EVICTION_POLICIES),
         help="which cached prefixes go first when the KV pool is full",
+    )
+    serve.add_argument(
+        "--host-kv-gb",
+        type=float,
+        default=0.0,
+        metavar="GIB",
+        help="host memory that KV evicted from the pool moves to, and is loaded back from "
+        "instead of computed (L2; default: none)",
+    )
+    serve.add_argument(
+        "--disk-kv-dir",
+        default=None,
+        metavar="DIR",
+        help="a directory of KV chunks below host memory (L3): a restart, or a replica "
+        "sharing it, reads what is there (default: none)",
+    )
+    serve.add_argument(
+        "--disk-kv-gb",
+        type=_positive(float),
+        default=16.0,
+        metavar="GIB",
+        help="most GiB the disk tier takes",
+    )
+    serve.add_argument(
+        "--kv-write-policy",
+        default="write_back",
+        choices=KV_WRITE_POLICIES,
+        help="write_back: KV moves down a tier when evicted; write_through: every computed "
+        "chunk is also copied down at once (to disk too, for replicas sharing it)",
     )
     serve.add_argument(
         "--max-body-bytes",
@@ -250,6 +279,10 @@ def run_serve(args: argparse.Namespace) -> int:
         device=args.device,
         schedule_policy=args.schedule_policy,
         eviction_policy=args.eviction_policy,
+        host_kv_gb=args.host_kv_gb,
+        disk_kv_dir=args.disk_kv_dir,
+        disk_kv_gb=args.disk_kv_gb,
+        kv_write_policy=args.kv_write_policy,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
     )

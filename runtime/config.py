@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from runtime.cache.eviction import EVICTION_POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
+KV_WRITE_POLICIES = ("write_back", "write_through")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
 DEVICES = ("cpu", "cuda", "cuda:<index>")
 _DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
@@ -45,6 +46,23 @@ class EngineConfig(BaseModel):
     # KV space, VLLM_CPU_KVCACHE_SPACE, is 4 GiB too)
     kv_memory_cap_gib: float = Field(
         4.0, gt=0, description="most GiB the pool takes when not sized (max_kv_tokens unset)"
+    )
+    host_kv_gb: float = Field(
+        0.0,
+        ge=0,
+        description="L2: GiB of host memory that KV evicted from the pool moves to, and is "
+        "loaded back from instead of computed (0: none)",
+    )
+    disk_kv_dir: str | None = Field(
+        None,
+        description="L3: a directory of KV chunk files below host memory (or the pool); a "
+        "restart, or another engine of the same model, reads what is there",
+    )
+    disk_kv_gb: float = Field(16.0, gt=0, description="L3: most GiB the disk tier takes")
+    kv_write_policy: str = Field(
+        "write_back",
+        description="write_back: KV moves down a tier when evicted; write_through: every "
+        "computed chunk is also copied down at once (to disk too: for engines sharing it)",
     )
     schedule_policy: str = "fcfs"
     eviction_policy: str = "lru"
@@ -89,13 +107,14 @@ class EngineConfig(BaseModel):
         "(runtime/cpu_share.py); False keeps torch's thread count",
     )
 
-    @field_validator("schedule_policy", "eviction_policy", "dtype")
+    @field_validator("schedule_policy", "eviction_policy", "dtype", "kv_write_policy")
     @classmethod
     def _known(cls, value: str, info: ValidationInfo) -> str:
         choices = {
             "schedule_policy": SCHEDULE_POLICIES,
             "eviction_policy": EVICTION_POLICIES,
             "dtype": DTYPES,
+            "kv_write_policy": KV_WRITE_POLICIES,
         }[info.field_name]
         if value not in choices:
             raise ValueError(f"unknown {info.field_name} {value!r}; choose from {tuple(choices)}")

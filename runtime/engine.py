@@ -18,11 +18,14 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from runtime.cache.chunks import TierLayout
 from runtime.cache.events import KVEventPublisher, KVEventSubscription
+from runtime.cache.tiers import KVTiers
 from runtime.cache.view import CacheView, build_cache_view
 from runtime.config import EngineConfig
 from runtime.constrain.formats import model_reasoning_format, model_tool_format
@@ -89,7 +92,8 @@ class Engine:
     def _init_scheduler(self) -> None:
         """The scheduler over the pool's slots, request intake and the continuation scorer."""
         num_slots = self.runner.pool.num_slots
-        self.scheduler = Scheduler(self.config, num_slots)
+        self.tiers = self._make_tiers()
+        self.scheduler = Scheduler(self.config, num_slots, self.tiers)
         self.intake = RequestIntake(self.config, self.arch, self.tokenizer, num_slots)
         self.scorer = ContinuationScorer(
             self.intake,
@@ -100,6 +104,46 @@ class Engine:
         )
         self._rids: set[str] = set()  # in flight: a request id names one request (abort)
         self._rids_lock = threading.Lock()
+
+    def _make_tiers(self) -> KVTiers | None:
+        """L2 (host memory) and L3 (disk) under the pool, when configured."""
+        config, pool = self.config, self.runner.pool
+        if config.disable_radix_cache or not (config.host_kv_gb or config.disk_kv_dir):
+            return None
+        layout = TierLayout(
+            model=self._weights_identity(),
+            num_layers=pool.num_layers,
+            num_kv_heads=pool.k[0].shape[1],
+            head_dim=pool.k[0].shape[2],
+            dtype=pool.dtype,
+            page_size=config.page_size,
+        )
+        return KVTiers(
+            pool,
+            layout,
+            host_bytes=int(config.host_kv_gb * 2**30),
+            disk_dir=config.disk_kv_dir,
+            disk_bytes=int(config.disk_kv_gb * 2**30),
+            write_through=config.kv_write_policy == "write_through",
+        )
+
+    def _weights_identity(self) -> str:
+        """What names these weights for the disk tier: the model as given, plus the names and
+        sizes of its files and its config (random weights: their seed)."""
+        if self.model_path is None:
+            return f"{self.config.model}|seed={self.config.seed}"
+        root = Path(self.model_path)
+        files = sorted(root.rglob("*")) if root.is_dir() else [root]
+        parts = [self.config.model]
+        for path in files:
+            if path.is_file() and path.suffix in {".safetensors", ".gguf", ".bin", ".pt"}:
+                parts.append(
+                    f"{path.relative_to(root) if root.is_dir() else path.name}:"
+                    f"{path.stat().st_size}"
+                )
+            elif path.name == "config.json":
+                parts.append(path.read_text())
+        return "|".join(parts)
 
     def _init_loop(self) -> None:
         """The loop thread that owns scheduler, tree and pool."""
@@ -259,6 +303,7 @@ class Engine:
         return EngineSummary.of(
             self.config, self.arch, runner.pool, runner.attention.name, self.model_path,
             None if self.cpu_share is None else self.cpu_share.max_threads,
+            None if self.tiers is None else self.tiers.describe(),
         )  # fmt: skip
 
     def describe_cache(
@@ -273,7 +318,10 @@ class Engine:
     def cache_view(self, max_nodes: int = 40) -> CacheView:
         """The radix tree as a picture: Jupyter draws it; `.to_svg()`, `.to_dict()`."""
         kv, pins, render = self.scheduler.kv, self.scheduler.pins, _decoder(self.tokenizer)
-        return self._call_in_loop(lambda: build_cache_view(kv.cache, pins, render, max_nodes))
+        below = self.tiers.stats if self.tiers is not None else dict
+        return self._call_in_loop(
+            lambda: build_cache_view(kv.cache, pins, render, max_nodes, below=below())
+        )
 
     def cache_trace(self) -> list[tuple]:
         """The recorded access trace (EngineConfig.record_trace): ("access", namespace, ids,
@@ -290,7 +338,10 @@ class Engine:
             if self._kv_events is None:
                 self._kv_events = KVEventPublisher()
                 cache.event_sink = self._kv_events.emit  # a NullCache never calls it
-            return self._kv_events.subscribe(cache.edge_paths(), max_pending_events)
+                if self.tiers is not None:
+                    self.tiers.event_sink = self._kv_events.emit
+            lower = self.tiers.lower_snapshot() if self.tiers is not None else ()
+            return self._kv_events.subscribe(cache.edge_paths(), max_pending_events, lower)
 
         return self._call_in_loop(subscribe)
 
@@ -324,6 +375,9 @@ class Engine:
         self._loop.stop(self._abort_everything)
         if self._kv_events is not None:
             self._kv_events.close_all()
+        if self.tiers is not None:  # the loop is gone: its tree and pool are ours to read
+            self.scheduler.kv.persist()
+            self.tiers.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -243,6 +243,12 @@ class GenerateResult(_Frozen):
     matched_stop: int | str | None = None
     prompt_tokens: int
     cached_tokens: int = Field(description="prompt tokens whose KV came from the cache")
+    loaded_tokens: int = Field(
+        0, description="of those, the ones loaded from host memory or disk (lower KV tiers)"
+    )
+    ttft_s: float | None = Field(
+        None, description="seconds from submission to the first generated token"
+    )
     completion_tokens: int
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[float | None] | None = None

@@ -23,6 +23,8 @@ def result_of(req: Req) -> GenerateResult:
         matched_stop=gen.matched_stop,
         prompt_tokens=len(req.prompt_ids),
         cached_tokens=req.cached_tokens or 0,
+        loaded_tokens=req.loaded_tokens or 0,
+        ttft_s=None if req.first_token_s is None else req.first_token_s - req.submitted_s,
         completion_tokens=len(gen.output_ids),
         logprobs=logprobs,
         prompt_logprobs=req.prompt_logprobs if prompt_asked else None,

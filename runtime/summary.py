@@ -38,6 +38,7 @@ class EngineSummary:
     kernels: str  # where the CPU kernels come from, or why the torch path runs
     max_cpu_threads: int | None = None  # adapted to the cores others leave (runtime/cpu_share)
     num_replicas: int = 1
+    kv_tiers: str | None = None  # host memory and disk below the pool (runtime/cache/tiers)
 
     @classmethod
     def of(
@@ -48,6 +49,7 @@ class EngineSummary:
         attention_backend: str,
         model_path: str | None,
         max_cpu_threads: int | None = None,
+        kv_tiers: str | None = None,
     ) -> EngineSummary:
         """An engine's summary from its parts (cheap: nothing is loaded or measured)."""
         if config.max_kv_tokens is not None:
@@ -70,6 +72,7 @@ class EngineSummary:
             kv_sizing=sizing,
             kernels=kernel_source(pool.device.type),
             max_cpu_threads=max_cpu_threads,
+            kv_tiers=kv_tiers,
         )
 
     def lines(self) -> list[str]:
@@ -89,6 +92,8 @@ class EngineSummary:
             f"           ({self.kv_sizing})",
             f"kernels    {self.kernels}",
         ]
+        if self.kv_tiers is not None:
+            lines.insert(5, f"KV below   {self.kv_tiers}")
         if self.max_cpu_threads is not None:
             lines.append(
                 f"threads    {self.max_cpu_threads}, fewer while other processes use the cores"

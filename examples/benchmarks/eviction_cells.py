@@ -154,9 +154,11 @@ def cell_engine(
     policy: str,
     future: list[tuple] | None = None,
     page_size: int = 1,
+    engine_settings: dict | None = None,
 ) -> Iterator[Engine]:
     """An engine for one cell: a `capacity`-slot pool under `policy`, recording its trace; a
-    random-weight model gets the real tokenizer; the oracle gets its recorded future."""
+    random-weight model gets the real tokenizer; the oracle gets its recorded future;
+    `engine_settings` are further EngineConfig fields (e.g. lower KV tiers)."""
     config = EngineConfig(
         model=model,
         max_kv_tokens=capacity,
@@ -164,6 +166,7 @@ def cell_engine(
         page_size=page_size,
         record_trace=True,
         attention_backend=ATTENTION,
+        **(engine_settings or {}),
     )
     with Engine(config) as engine:
         if engine.tokenizer is None:  # a random-weight model: lend it the real tokenizer

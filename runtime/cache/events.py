@@ -14,6 +14,11 @@ set of cached paths (see `tree_paths`), not by where the engine happens to cut i
 Events carry full paths (not vLLM-style chained block hashes) so a consumer needs no hashing
 scheme in common with the engine and a path's meaning never depends on an earlier event.
 
+Below the pool (tiers.py), KV lives in chunks named by chained digests (the engine's own
+naming), and events say so in vLLM's style: ``medium`` is ``host`` or ``disk`` (``device`` for
+the tree above), ``chunks`` lists the hex names stored or removed, and the token fields stay
+empty (a chunk's name stands for its whole prefix; `tiers.chunk_names` computes them).
+
 Sequence numbers are global to a publisher and contiguous: a subscriber gets a snapshot taken
 at sequence `seq`, then exactly the events `seq + 1, seq + 2, ...`; a gap means loss.
 """
@@ -28,6 +33,7 @@ from typing import Any, Literal
 
 EventKind = Literal["stored", "removed", "cleared"]
 EVENT_KINDS: tuple[str, ...] = ("stored", "removed", "cleared")
+MEDIUMS: tuple[str, ...] = ("device", "host", "disk")
 
 
 class KVEventsLostError(RuntimeError):
@@ -43,6 +49,8 @@ class KVEvent:
     namespace: Hashable = None
     token_ids: tuple[int, ...] = ()
     start_len: int = 0
+    medium: str = "device"  # where the KV is: the pool, or a lower tier (host, disk)
+    chunks: tuple[str, ...] = ()  # lower tiers: the hex names of the chunks
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (namespaces must then be str or None)."""
@@ -52,6 +60,8 @@ class KVEvent:
             "namespace": self.namespace,
             "token_ids": list(self.token_ids),
             "start_len": self.start_len,
+            "medium": self.medium,
+            "chunks": list(self.chunks),
         }
 
     @classmethod
@@ -59,12 +69,17 @@ class KVEvent:
         """Inverse of `to_dict`; rejects unknown kinds."""
         if data["kind"] not in EVENT_KINDS:
             raise ValueError(f"unknown KV event kind {data['kind']!r}; expected {EVENT_KINDS}")
+        medium = data.get("medium", "device")
+        if medium not in MEDIUMS:
+            raise ValueError(f"unknown KV event medium {medium!r}; expected {MEDIUMS}")
         return cls(
             int(data["seq"]),
             data["kind"],
             data.get("namespace"),
             tuple(int(t) for t in data.get("token_ids", ())),
             int(data.get("start_len", 0)),
+            medium,
+            tuple(str(c) for c in data.get("chunks", ())),
         )
 
 
@@ -142,22 +157,39 @@ class KVEventPublisher:
         """Open subscriptions."""
         return len(self._subscriptions)
 
-    def emit(self, kind: EventKind, namespace: Hashable, token_ids, start_len: int) -> None:
+    def emit(
+        self,
+        kind: EventKind,
+        namespace: Hashable,
+        token_ids,
+        start_len: int,
+        medium: str = "device",
+        chunks: tuple[str, ...] = (),
+    ) -> None:
         """Issue the next event to every subscriber."""
         if not self._subscriptions:
             return  # nobody listens: no sequence number is spent, nothing is built
         self.seq += 1
-        event = KVEvent(self.seq, kind, namespace, tuple(token_ids), start_len)
+        event = KVEvent(self.seq, kind, namespace, tuple(token_ids), start_len, medium, chunks)
         with self._lock:
             subscriptions = list(self._subscriptions)
         for subscription in subscriptions:
             subscription.push(event)
 
     def subscribe(
-        self, paths: Iterable[tuple[Hashable, tuple[int, ...], int]], max_pending_events: int
+        self,
+        paths: Iterable[tuple[Hashable, tuple[int, ...], int]],
+        max_pending_events: int,
+        lower: Iterable[tuple[str, tuple[str, ...]]] = (),
     ) -> KVEventSubscription:
-        """A subscription whose snapshot is `paths` ((namespace, path, start_len) per edge)."""
+        """A subscription whose snapshot is `paths` ((namespace, path, start_len) per edge)
+        and the chunks of the lower tiers ((medium, hex names) per tier)."""
         stored = tuple(KVEvent(self.seq, "stored", ns, ids, start) for ns, ids, start in paths)
+        stored += tuple(
+            KVEvent(self.seq, "stored", None, (), 0, medium, names)
+            for medium, names in lower
+            if names
+        )
         subscription = KVEventSubscription(
             KVSnapshot(self.seq, stored), max_pending_events, self._remove
         )

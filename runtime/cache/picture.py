@@ -176,6 +176,11 @@ def _header(svg: Svg, view: CacheView) -> None:
         f"{view.protected_tokens:,} \u00b7 {view.num_nodes:,} nodes"
         + (f" ({shown} shown)" if shown < view.num_nodes else "")
         + f" \u00b7 {len(view.pins)} pins \u00b7 eviction {view.policy}"
+        + (
+            f" \u00b7 below: host {view.host_tokens:,}, disk {view.disk_tokens:,} tokens"
+            if view.host_tokens or view.disk_tokens
+            else ""
+        )
     )
     svg.text(12, 20, summary, 13, font_weight="bold", class_="summary")
     legend(

@@ -41,8 +41,8 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_layers, num_slots + scratch_slots, num_kv_heads, head_dim)
-        self._k = _zeros(shape, dtype, self.device)
-        self._v = _zeros(shape, dtype, self.device)
+        self._k = lazy_zeros(shape, dtype, self.device)
+        self._v = lazy_zeros(shape, dtype, self.device)
         # per layer views: (num_slots + scratch_slots, num_kv_heads, head_dim)
         self.k = list(self._k.unbind(0))
         self.v = list(self._v.unbind(0))
@@ -68,9 +68,27 @@ class KVPool:
         if self.write_counts is not None:
             self.write_counts.index_add_(0, slot_idx, torch.ones_like(slot_idx))
 
+    def read_rows(self, slot_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `slot_idx` (n,) in every layer: (num_layers, n, num_kv_heads, head_dim)
+        each, copies (a lower KV tier keeps them after the slots are reused)."""
+        idx = slot_idx.to(self.device)
+        return self._k.index_select(1, idx), self._v.index_select(1, idx)
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def write_rows(self, slot_idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store every layer's K/V rows (num_layers, n, num_kv_heads, head_dim) at `slot_idx`
+        (n,): KV loaded from a lower tier instead of computed."""
+        idx = slot_idx.to(self.device)
+        self._k.index_copy_(1, idx, k.to(self.device, non_blocking=True))
+        self._v.index_copy_(1, idx, v.to(self.device, non_blocking=True))
+        if self.write_counts is not None:
+            self.write_counts.index_add_(0, idx, torch.full_like(idx, self.num_layers))
+
+
+def lazy_zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """A zero tensor; on CPU one whose pages become resident only when written."""
+    device = torch.device(device)
     nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes == 0 or not hasattr(mmap, "MAP_PRIVATE"):
         return torch.zeros(shape, dtype=dtype, device=device)

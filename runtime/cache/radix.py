@@ -26,6 +26,7 @@ from runtime.cache.eviction import CandidateQueue, EvictionPolicy, make_eviction
 from runtime.prefix import common_prefix_len
 
 Namespace = Hashable  # cache salt / adapter id; None is the default namespace
+DemoteSink = Callable[[Namespace, tuple[int, ...], int, torch.Tensor], None]
 
 
 class RadixCacheError(RuntimeError):
@@ -148,6 +149,9 @@ class RadixCache:
         # KV events (events.py): called as sink(kind, namespace, token_ids, start_len) at each
         # store / evict / reset; None costs one comparison at those points
         self.event_sink: Callable[[str, Namespace, tuple[int, ...], int], None] | None = None
+        # lower KV tiers (tiers.py): called as sink(namespace, path, start_len, path_slots) for
+        # each leaf edge evict() takes, while its slots (and its ancestors') still hold its KV
+        self.demote_sink: DemoteSink | None = None
         self._init_tree()
 
     # ---------------------------------------------------------------- sizes
@@ -300,6 +304,9 @@ class RadixCache:
             num_evicted += len(node.key)
             if self.event_sink is not None:
                 self._emit_removed(node)
+            if self.demote_sink is not None:
+                namespace, path, slots = self.path_of(node)
+                self.demote_sink(namespace, path, len(path) - len(node.key), slots)
             parent = self._unlink_leaf(node)
             if parent is not None:
                 self._candidates.add(parent)  # a dead branch cascades within this call
@@ -324,6 +331,21 @@ class RadixCache:
             values.append(node.value)
             node = node.parent
         return _cat(values[::-1])
+
+    def leaves(self):
+        """Every node without children (the ends of cached paths)."""
+        return (node for node in self._iter_nodes() if not node.children)
+
+    def path_of(self, node: TreeNode) -> tuple[Namespace, tuple[int, ...], torch.Tensor]:
+        """The namespace, tokens and slots from the root to the end of `node`'s edge."""
+        keys, values = [], []
+        while node.parent is not None:
+            keys.append(node.key)
+            values.append(node.value)
+            node = node.parent
+        namespace = next(ns for ns, root in self._roots.items() if root is node)
+        path = tuple(t for key in reversed(keys) for t in key)
+        return namespace, path, _cat(values[::-1])
 
     def namespace_of(self, node: TreeNode) -> Namespace:
         """The namespace whose tree holds `node`."""

@@ -74,6 +74,8 @@ class CacheView:
     num_nodes: int
     capacity_tokens: int  # KV slots in the pool
     policy: str  # the eviction policy's name
+    host_tokens: int = 0  # below the pool (tiers.py): in host memory
+    disk_tokens: int = 0  # ... and on disk
 
     @property
     def num_shown(self) -> int:
@@ -115,10 +117,11 @@ def build_cache_view(
     max_nodes: int = 40,
     label_tokens: int = 8,
     max_ranked: int = 8,
+    below: Mapping[str, float] | None = None,
 ) -> CacheView:
     """Snapshot `cache` (a PrefixCache, read on its owning thread). `pins` maps pin ids
     to their requests (`lock_pos`: the locked TreePosition or None; `namespace`); `render`
-    decodes token ids."""
+    decodes token ids; `below` is the lower tiers' stats (KVTiers.stats), if any."""
     snapshot = _Snapshot(cache, render, label_tokens)
     pin_views = [snapshot.add_pin(pin_id, pin) for pin_id, pin in pins.items()]
     snapshot.choose(max_nodes)
@@ -135,6 +138,8 @@ def build_cache_view(
         num_nodes=cache.num_nodes,
         capacity_tokens=cache.allocator.num_slots,
         policy=getattr(getattr(cache, "policy", None), "name", "none"),
+        host_tokens=int((below or {}).get("kv_host_tokens", 0)),
+        disk_tokens=int((below or {}).get("kv_disk_tokens", 0)),
     )
 
 
@@ -205,6 +210,8 @@ def merge_views(views: Mapping[int, CacheView]) -> CacheView:
         num_nodes=sum(v.num_nodes for v in parts),
         capacity_tokens=sum(v.capacity_tokens for v in parts),
         policy=parts[0].policy if parts else "none",
+        host_tokens=sum(v.host_tokens for v in parts),
+        disk_tokens=sum(v.disk_tokens for v in parts),
     )
 
 

@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.cache.chunks import TierView
 from runtime.cluster.event_reader import RemoteKVSubscription
 from runtime.cluster.mirror import MirrorDesyncError
 from runtime.cluster.policy import RouterConfig
@@ -120,6 +121,9 @@ class Cluster:
             self.actors, snapshots, described, strict=True
         ):
             self.router.add_replica(replica_id, snapshot, num_slots)
+        view = self._ray.get(next(iter(self.actors.values())).tier_view.remote())
+        if view is not None:  # what lower tiers hold is priced as cheap to load
+            self.router.lower_tiers = TierView(*view)
         self.num_reruns = 0  # requests re-run after their replica died
         self.num_restarts = 0  # live actors restarted because their engine stopped
         self._incarnation = dict.fromkeys(self.actors, 0)  # bumped each time one is lost

@@ -40,20 +40,33 @@ class MirrorTree:
         self.last_seq = 0
         self.num_tokens = 0
         self._roots: dict[Hashable, _Edge] = {}
+        # the replica's lower KV tiers: medium -> hex names of the chunks held there
+        self.lower: dict[str, set[str]] = {"host": set(), "disk": set()}
 
     def load(self, snapshot: KVSnapshot) -> None:
         """Replace the contents with a subscription's snapshot."""
         self._roots.clear()
         self.num_tokens = 0
+        for chunks in self.lower.values():
+            chunks.clear()
         for event in snapshot.stored:
-            self._store(event.namespace, event.token_ids, event.start_len)
+            if event.medium == "device":
+                self._store(event.namespace, event.token_ids, event.start_len)
+            else:
+                self.lower[event.medium].update(event.chunks)
         self.last_seq = snapshot.seq
 
     def apply(self, event: KVEvent) -> None:
         """Apply the next event; its seq must follow the last one applied."""
         if event.seq != self.last_seq + 1:
             raise MirrorDesyncError(f"event seq {event.seq} after {self.last_seq}: events lost")
-        if event.kind == "stored":
+        if event.medium != "device":
+            chunks = self.lower[event.medium]
+            if event.kind == "stored":
+                chunks.update(event.chunks)
+            else:
+                chunks.difference_update(event.chunks)
+        elif event.kind == "stored":
             self._store(event.namespace, event.token_ids, event.start_len)
         elif event.kind == "removed":
             self._remove(event.namespace, event.token_ids, event.start_len)

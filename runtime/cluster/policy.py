@@ -8,10 +8,17 @@ from the replica's own KV events, the prompts it runs now, its pool size):
     cost = tokens the request computes there (prompt - exact cached match)
          + tokens its admission would evict there (cached + being computed + those > pool)
 
-and the cheapest replica gets the request (ties: least loaded, then lowest index). The second
-term is what SGLang's router cannot see: piling every user who shares a system prompt onto one
-replica overflows its pool and evicts the conversations it will be asked to continue (without
-it, the simulation's W1 computes 1.45x the tokens at 8 replicas and 1.24x at 32).
+and the cheapest replica gets the request (ties: least loaded, then lowest index). Replicas that
+have lower KV tiers load what those hold past their own match instead of computing it (their
+host memory, as their KV events tell; a disk directory they share, probed): those tokens cost
+`loaded_token_cost` each (a copy is far cheaper than a forward pass), so a replica with no
+device match but the prompt below is nearly as cheap as the one with it cached, and load
+decides.
+
+The second term is what SGLang's router cannot see: piling every user who shares a system
+prompt onto one replica overflows its pool and evicts the conversations it will be asked to
+continue (without it, the simulation's W1 computes 1.45x the tokens at 8 replicas and 1.24x at
+32).
 
 1. Imbalance guard (SGLang's test): loads are requests in flight; the system is imbalanced when
    ``max - min > balance_abs_threshold`` and ``max > balance_rel_threshold * min``. Then only
@@ -53,6 +60,7 @@ class RouterConfig:
     min_match_tokens: int = 32  # `cache_aware`: a shorter match is not worth a busier replica
     guard_slack: int = 2  # `cache_aware`, imbalanced: priced replicas are within this of the min
     cache_threshold: float = 0.3  # `approximate` only: SGLang's match / prompt ratio
+    loaded_token_cost: float = 0.1  # `cache_aware`: a token loaded from a lower KV tier
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -63,6 +71,8 @@ class RouterConfig:
             raise ValueError(f"guard_slack must be >= 0, got {self.guard_slack}")
         if self.min_match_tokens < 1:
             raise ValueError(f"min_match_tokens must be >= 1, got {self.min_match_tokens}")
+        if not 0.0 <= self.loaded_token_cost <= 1.0:
+            raise ValueError(f"loaded_token_cost must lie in [0, 1], got {self.loaded_token_cost}")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must lie in [0, 1], got {self.cache_threshold}")
 
@@ -89,17 +99,24 @@ def choose_cache_aware(
     evictions: Sequence[int],
     prompt_len: int,
     config: RouterConfig,
+    reach: Sequence[int] | None = None,
 ) -> int:
     """Our rule (module docstring): the replica where the request computes plus evicts the
     fewest tokens, among those the guard leaves; `evictions[i]` is what admitting it on
-    replica i would evict."""
+    replica i would evict, `reach[i]` how far into the prompt its lower tiers reach."""
     candidates = range(len(loads))
     if is_imbalanced(loads, config):
         floor = min(loads) + config.guard_slack
         candidates = [i for i in candidates if loads[i] <= floor]
     if max(match_lens[i] for i in candidates) < config.min_match_tokens:
         return least_loaded(loads)
-    return min(candidates, key=lambda i: (prompt_len - match_lens[i] + evictions[i], loads[i], i))
+
+    def cost(i: int) -> float:
+        loaded = max(0, reach[i] - match_lens[i]) if reach is not None else 0
+        computed = prompt_len - match_lens[i] - loaded
+        return computed + config.loaded_token_cost * loaded + evictions[i]
+
+    return min(candidates, key=lambda i: (cost(i), loads[i], i))
 
 
 def choose_approximate(

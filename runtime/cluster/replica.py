@@ -139,6 +139,12 @@ class Replica:
         """The model's architecture and the KV pool's size in slots (for a router front)."""
         return self.engine.arch, self.engine.intake.num_slots
 
+    def tier_view(self) -> tuple[str | None, bytes, int] | None:
+        """How its lower KV tiers name chunks and where their disk is (runtime/cache/chunks
+        TierView); None without lower tiers. Replicas of one config name alike, share the disk."""
+        tiers = self.engine.tiers
+        return None if tiers is None else tiers.view().describe()
+
     def summary(self) -> EngineSummary:
         """The engine's startup summary (runtime/summary.py)."""
         return self.engine.summary()

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from runtime.cache.chunks import TierView
 from runtime.cache.events import KVEvent, KVSnapshot
 from runtime.cluster.mirror import MirrorTree
 from runtime.cluster.policy import (
@@ -72,6 +73,8 @@ class Router:
         self._pins: dict[str, tuple[ReplicaId, Hashable, tuple[int, ...]]] = {}
         self._turn = itertools.count()
         self._lock = threading.Lock()
+        # replicas with lower KV tiers: how they name chunks, and the disk they share
+        self.lower_tiers: TierView | None = None
 
     # ---------------------------------------------------------------- membership
     @property
@@ -133,6 +136,11 @@ class Router:
         `prefer` (a placement's choice), if live, wins; else a live pin whose prefix the
         request extends sends it to the pin's replica; else the policy decides."""
         ids = tuple(token_ids)
+        names: list[str] = []  # the prompt's chunks below the pool, and how many are on disk
+        on_disk = 0  # probed outside the lock: it reads directory entries
+        if self.lower_tiers is not None and self.config.policy == "cache_aware":
+            names = self.lower_tiers.names(namespace, ids)
+            on_disk = self.lower_tiers.tokens_on_disk(names)
         with self._lock:
             if not self._replicas:
                 raise NoReplicaError("no live replica to route to")
@@ -140,7 +148,7 @@ class Router:
                 raise ValueError(f"request id {rid!r} is already routed")
             if prefer not in self._replicas:
                 prefer = self._pin_reader_replica(ids, namespace)
-            chosen = prefer if prefer is not None else self._choose(ids, namespace)
+            chosen = prefer if prefer is not None else self._choose(ids, namespace, names, on_disk)
             replica = self._replicas[chosen]
             replica.start(rid, namespace, ids, len(ids) - self._match_len(replica, ids, namespace))
             if self.config.policy == "approximate":
@@ -220,7 +228,9 @@ class Router:
                 still.append((seq, rid))
         replica.unconfirmed = still
 
-    def _choose(self, ids: tuple[int, ...], namespace: Hashable) -> ReplicaId:
+    def _choose(
+        self, ids: tuple[int, ...], namespace: Hashable, names: list[str], on_disk: int
+    ) -> ReplicaId:
         replica_ids = list(self._replicas)
         loads = [len(self._replicas[r].running) for r in replica_ids]
         policy = self.config.policy
@@ -232,7 +242,14 @@ class Router:
             replicas = [self._replicas[r] for r in replica_ids]
             matches = [self._match_len(replica, ids, namespace) for replica in replicas]
             evictions = [r.evictions(len(ids) - m) for r, m in zip(replicas, matches, strict=True)]
-            return replica_ids[choose_cache_aware(matches, loads, evictions, len(ids), self.config)]
+            reach = None
+            if names:
+                reach = [
+                    max(on_disk, self._host_reach(r, m, names))
+                    for r, m in zip(replicas, matches, strict=True)
+                ]
+            choice = choose_cache_aware(matches, loads, evictions, len(ids), self.config, reach)
+            return replica_ids[choice]
         approx = [self._replicas[r].approx for r in replica_ids]
         matches = [tree.match_len(ids, namespace) for tree in approx]
         sizes = [tree.num_tokens for tree in approx]
@@ -246,6 +263,15 @@ class Router:
                 if ids[: len(prefix)] == prefix:
                     best, best_len = replica_id, len(prefix)
         return best
+
+    def _host_reach(self, replica: _Replica, match_len: int, names: list[str]) -> int:
+        """How far the replica's host tier continues its match (its KV events say which
+        chunks it holds), in tokens from the root."""
+        chunk_tokens = self.lower_tiers.chunk_tokens
+        held, k = replica.tree.lower["host"], match_len // chunk_tokens
+        while k < len(names) and names[k] in held:
+            k += 1
+        return k * chunk_tokens if k > match_len // chunk_tokens else 0
 
     def _match_len(self, replica: _Replica, ids: tuple[int, ...], namespace: Hashable) -> int:
         """Exact cached match, or a running prompt's (its KV is being computed), whole pages."""

@@ -18,12 +18,17 @@ A request's KV, by token index into `req.all_ids`, between two steps:
   down to `aligned`. [aligned, num_computed) (a partial page) stays the request's.
 - release (`release`): unlock; [num_locked, capacity) goes back to the allocator.
 
+Lower tiers (tiers.py, optional): what eviction takes is demoted to host memory or disk, and
+admission continues the device match from there: [cached, cached + loaded) is copied into fresh
+slots and inserted, so it is locked like the cached part and never computed.
+
 With `NullCache` (cache disabled) nothing matches and insert takes nothing, so num_locked stays
 0 and every slot a request computes is its own until release.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -34,8 +39,12 @@ from runtime.cache.base import NullCache, PrefixCache
 from runtime.cache.graph_marks import CONTINUATION_GRACE_S, GraphMarks, NoMarks
 from runtime.cache.oracle import OracleMarks
 from runtime.cache.radix import RadixCache, TreePosition
+from runtime.cache.tiers import KVTiers
 from runtime.config import EngineConfig
 from runtime.scheduler.request import Req, ReqStatus
+
+PREFETCH_QUEUE_DEPTH = 16  # waiting requests, in admission order, whose disk chunks are prefetched
+PREFETCH_LEAD_S = 2.0  # a branch that declared its return is prefetched this long before it
 
 
 class KVManager:
@@ -47,6 +56,7 @@ class KVManager:
         config: EngineConfig,
         num_slots: int,
         queued_positions: Callable[[], Iterable[TreePosition]],
+        tiers: KVTiers | None = None,
     ) -> None:
         self.page_size = config.page_size
         self.allocator = SlotAllocator(num_slots, self.page_size)
@@ -67,6 +77,12 @@ class KVManager:
         self.trace: list[tuple] | None = [] if config.record_trace else None
         # paused branches back right away: (program, branch) -> (pause s, tokens still to come)
         self._in_flight: dict[tuple[str, str | None], tuple[float, int]] = {}
+        self.tiers = tiers if isinstance(self.cache, RadixCache) else None
+        if self.tiers is not None:
+            self.cache.demote_sink = self.tiers.demote
+        # branches that declared when they return: (program, branch) -> (return s, namespace,
+        # ids, their chunk names), prefetched from disk PREFETCH_LEAD_S ahead
+        self._returning: dict[tuple[str, str | None], tuple[float, object, list, list]] = {}
 
     # ------------------------------------------------------------------ sizes
     def available_slots(self, reserved: int) -> int:
@@ -97,11 +113,15 @@ class KVManager:
         """Once a step, before anything is released: the time paused branches are timed by."""
         self.now_s = self.clock()
         self.marks.advance(self.now_s)
+        if self.tiers is not None:
+            self.tiers.flush_events()
 
     def arrived(self, req: Req) -> None:
         """A request reached the queue: its branch's next turn is no longer to come."""
         if self._in_flight:
             self._in_flight.pop((req.hints.program_id, req.hints.branch_id), None)
+        if self._returning:
+            self._returning.pop((req.hints.program_id, req.hints.branch_id), None)
 
     def in_flight_tokens(self, running: Sequence[Req]) -> int:
         """About how many tokens the work in flight will still add (GraphHints.future_tokens):
@@ -120,9 +140,31 @@ class KVManager:
         """Refresh the waiting requests' queued-read marks (graph eviction's future)."""
         self.marks.mark_queued_reads(self._queued_positions)
 
+    @property
+    def prefetches(self) -> bool:
+        """Whether there is a disk tier to prefetch from and host memory to prefetch into."""
+        tiers = self.tiers
+        return tiers is not None and tiers.disk is not None and tiers.host is not None
+
+    def prefetch(self, waiting: Iterable[tuple[Req, TreePosition]]) -> None:
+        """Once a step: queue disk-to-host loads of what the graph says is read next (the
+        first waiting requests in admission order, with their current matches; branches whose
+        declared return is near), so admission copies from host memory. Never waits."""
+        tiers = self.tiers
+        for req, position in itertools.islice(waiting, PREFETCH_QUEUE_DEPTH):
+            ids, start, limit = req.all_ids, position.prefix_len, req.match_limit
+            tiers.prefetch(tiers.extent(req.namespace, ids, start, limit, req.chunk_names))
+        for key, (return_s, namespace, ids, names) in list(self._returning.items()):
+            if return_s + CONTINUATION_GRACE_S < self.now_s:
+                del self._returning[key]  # it never came back
+            elif return_s - PREFETCH_LEAD_S <= self.now_s:
+                start = self.cache.match_prefix(ids, namespace).prefix_len
+                tiers.prefetch(tiers.extent(namespace, ids, start, len(ids), names))
+
     # ------------------------------------------------------------------ protocol
     def take_prefix(self, req: Req, position: TreePosition) -> int:
-        """Admission: lock the matched prefix up to `position` and adopt its slots."""
+        """Admission: lock the matched prefix up to `position` and adopt its slots, then
+        load what the lower tiers hold past it. Returns the device hit (tokens)."""
         cached = position.prefix_len
         if cached:
             self.cache.lock(position)
@@ -130,10 +172,33 @@ class KVManager:
             req.lock_pos = position
             req.slots = self.cache.slot_indices(position).clone()
         req.num_computed = req.num_locked = cached
+        if self.tiers is not None:
+            self._load_below(req)
         self.marks.mark_access(req.namespace, req.all_ids, req.match_limit)
         if self.trace is not None:
             self.trace.append(("access", req.namespace, tuple(req.all_ids), req.match_limit))
         return cached
+
+    def _load_below(self, req: Req) -> None:
+        """Continue a request's device match from the lower tiers: fresh slots, a copy, an
+        insert (so the loaded tokens are locked and shared like cached ones)."""
+        ids = req.all_ids
+        extent = self.tiers.extent(
+            req.namespace, ids, req.num_locked, req.match_limit, req.chunk_names
+        )
+        room = self.allocator.num_free_slots + self.cache.evictable_size
+        extent = extent.within(room)  # what fits now; the rest is computed as before
+        if not extent.num_tokens or not self.make_room(extent.num_tokens):
+            return
+        slots = self.allocator.alloc(extent.num_tokens)
+        loaded = self.tiers.load(extent, slots)
+        self.free(slots[loaded:])
+        if not loaded:
+            return
+        req.slots = torch.cat([req.slots, slots[:loaded]])
+        req.num_computed = req.num_locked + loaded
+        req.num_loaded += loaded
+        self.cache_prefix(req)
 
     def grow(self, req: Req, upto: int) -> bool:
         """Make req.slots cover `upto` tokens (whole pages), evicting if needed."""
@@ -173,6 +238,10 @@ class KVManager:
             self.cache.unlock(req.lock_pos)
         req.slots[:held] = done.indices
         req.lock_pos = done.position
+        if self.tiers is not None and self.tiers.write_through:
+            self.tiers.store(
+                req.namespace, ids[:held], req.num_locked, req.slots[:held], req.chunk_names
+            )
         req.num_locked = held
 
     def keep_locked_prefix(self, req: Req) -> None:
@@ -188,9 +257,12 @@ class KVManager:
             if req.hints.continuation and req.lock_pos is not None:
                 after_s = req.hints.next_turn_after_s or 0.0
                 self.marks.mark_continuation(req.lock_pos, self.now_s + after_s, not after_s)
+                key = (req.hints.program_id, req.hints.branch_id)
                 if not after_s and self.keeps_wanted and req.hints.program_id is not None:
-                    key = (req.hints.program_id, req.hints.branch_id)
                     self._in_flight[key] = (self.now_s, req.hints.future_tokens or 0)
+                if after_s and self.tiers is not None and req.hints.program_id is not None:
+                    ids = req.tokens(0, req.num_locked)
+                    self._returning[key] = (self.now_s + after_s, req.namespace, ids, [])
         if req.lock_pos is not None:
             self.cache.unlock(req.lock_pos)
         self.free(req.slots[req.num_locked :])
@@ -203,6 +275,13 @@ class KVManager:
     def flush(self) -> int:
         """Evict every unlocked cached token; return how many."""
         return self.cache.evict(self.cache.evictable_size)
+
+    def persist(self) -> int:
+        """Before a clean shutdown: every cached path and every host chunk to disk, so a
+        restart on the same directory starts warm. Returns how many chunks were written."""
+        if self.tiers is None:
+            return 0
+        return self.tiers.persist(self.cache.path_of(leaf) for leaf in self.cache.leaves())
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self, holders: Sequence[Req]) -> None:
@@ -219,6 +298,8 @@ class KVManager:
                 assert torch.equal(match.indices, req.slots[: req.num_locked]), req
         owned = sum(r.capacity - r.num_locked for r in holders)
         self.cache.check_integrity(num_caller_slots=owned)
+        if self.tiers is not None:
+            self.tiers.check_integrity()
 
 
 def future_tokens(req: Req) -> int:

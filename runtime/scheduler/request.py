@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable
 
 import torch
@@ -79,6 +80,11 @@ class Req:
         self.lock_pos: TreePosition | None = None
         # accounting
         self.cached_tokens: int | None = None  # prefix hit at first admission
+        self.num_loaded = 0  # this admission's tokens loaded from lower KV tiers, not computed
+        self.loaded_tokens: int | None = None  # ... at first admission
+        self.submitted_s = time.monotonic()
+        self.first_token_s: float | None = None  # when its first token was sampled
+        self.chunk_names: list[bytes] = []  # lower tiers' names of its chunks so far (tiers.py)
         self.admit_seq = -1
         self.num_retractions = 0
         self.num_passed = 0  # later requests admitted while this one was held back

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.cache.tiers import KVTiers
 from runtime.config import EngineConfig
 from runtime.model.batch import ForwardBatch
 from runtime.model.sampler import sample
@@ -68,12 +69,12 @@ TIMEOUT_MESSAGE = "the request's timeout passed before it finished"
 class Scheduler:
     """Admission on the prefix cache, mixed batches, retraction, output processing."""
 
-    def __init__(self, config: EngineConfig, num_slots: int) -> None:
+    def __init__(self, config: EngineConfig, num_slots: int, tiers: KVTiers | None = None) -> None:
         self.config = config
         self.waiting: dict[str, Req] = {}
         self.running: list[Req] = []
         self.pins: dict[str, Req] = {}
-        self.kv = KVManager(config, num_slots, self._queued_positions)
+        self.kv = KVManager(config, num_slots, self._queued_positions, tiers)
         self.policy = SchedulePolicy(config.schedule_policy, self.kv.cache, config.seed)
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.counters: Counter[str] = Counter()
@@ -108,6 +109,9 @@ class Scheduler:
         """The next batch, with every slot it writes allocated; None if nothing can run."""
         self.kv.read_clock()
         self._abort_expired()
+        if self.kv.prefetches and self.waiting:  # lazily: only the first few are matched
+            order = self.policy.order(list(self.waiting.values()))
+            self.kv.prefetch((req, self.policy.match(req)) for req in order)
         entries = self._schedule_entries()
         if not entries:
             return None
@@ -191,7 +195,7 @@ class Scheduler:
                 continue
             if not self.kv.grow(req, req.num_computed + num_new):
                 # eviction could not produce the slots: back to waiting, try next step
-                self.counters["cached_tokens"] -= req.num_locked
+                self.counters["cached_tokens"] -= req.num_locked - req.num_loaded
                 self.kv.release(req, insert=False)
                 self.add(req)
                 break
@@ -231,8 +235,10 @@ class Scheduler:
         req.status = ReqStatus.RUNNING
         self._admit_seq += 1
         req.admit_seq = self._admit_seq
+        req.num_loaded = 0
         cached = self.kv.take_prefix(req, position)
-        req.cached_tokens = cached if req.cached_tokens is None else req.cached_tokens  # first
+        if req.cached_tokens is None:  # at first admission: not computed (cached or loaded)
+            req.cached_tokens, req.loaded_tokens = req.num_computed, req.num_loaded
         self.counters["cached_tokens"] += cached
 
     def _queued_positions(self):
@@ -325,6 +331,8 @@ class Scheduler:
             except Exception as err:  # noqa: BLE001 - this request's own failure, not the step's
                 self.fail(req, f"output processing failed: {err}", kind="internal")
                 continue
+            if req.first_token_s is None:
+                req.first_token_s = time.monotonic()
             _notify(req.on_delta, req)
             if req.gen.finished:
                 self._finish(req, req.gen.finish_reason)
@@ -394,6 +402,7 @@ class Scheduler:
             "schedule_rematches_total": self.policy.num_rematches,
             "new_token_ratio": self.new_token_ratio,
             "jump_forward_tokens_total": c["jump_forward_tokens"],
+            **(self.kv.tiers.stats() if self.kv.tiers is not None else {}),
         }
 
     def check_integrity(self) -> None:

@@ -20,6 +20,18 @@ COUNTERS = {
     "steps_total",
     "schedule_rematches_total",
     "jump_forward_tokens_total",
+    "kv_demoted_tokens_total",
+    "kv_loaded_host_tokens_total",
+    "kv_loaded_disk_tokens_total",
+    "kv_prefetched_tokens_total",
+    "kv_load_seconds_total",
+    "kv_load_disk_seconds_total",
+    "kv_prefetch_seconds_total",
+    "kv_disk_bad_files_total",
+    "kv_disk_writes_total",
+    "kv_disk_write_errors_total",
+    "kv_disk_writes_inline_total",
+    "kv_tier_errors_total",
 }
 
 

@@ -172,6 +172,7 @@ class _Output:
             "prompt_tokens": result.prompt_tokens,
             "completion_tokens": result.completion_tokens,
             "cached_tokens": result.cached_tokens,
+            "loaded_tokens": result.loaded_tokens,  # of those, from host memory or disk
             "weight_version": "default",
         }
         if result.finish_reason is not None:

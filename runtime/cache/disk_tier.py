@@ -1,0 +1,191 @@
+"""The disk tier (L3) below host memory: a directory of KV chunk files.
+
+A file is one chunk, named by its chunk name (chunks.py), in a directory per layout
+fingerprint: a header (magic, fingerprint, chunk name, payload size, crc32) and the chunk's K
+and V. Written whole under a temporary name and renamed, so a crash never leaves a file a
+later run trusts; anything that does not check out is a miss.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import struct
+import threading
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from runtime.cache.chunks import NAME_BYTES, TierLayout, chunk_file
+
+log = logging.getLogger("flowlang.kv_tiers")
+
+_MAGIC = b"FLKVCHK1"
+_HEADER = struct.Struct("<8s16s16sQI")  # magic, layout fingerprint, chunk name, bytes, crc32
+
+
+class DiskTier:
+    """Chunk files under `root/<layout fingerprint>/`, one per chunk, written whole to a
+    temporary name and renamed (a crash leaves no file a later run trusts), each with a
+    header naming its layout and chunk and a checksum of its bytes. Any file that does not
+    check out is a miss: counted, logged once, removed. A full disk or an unwritable
+    directory turns writing off with a warning; reading goes on."""
+
+    def __init__(self, root: str | Path, layout: TierLayout, capacity_bytes: int) -> None:
+        self.layout = layout
+        self.fingerprint = layout.fingerprint
+        self.dir = Path(root) / self.fingerprint.hex()
+        self.capacity_bytes = capacity_bytes
+        self.file_nbytes = _HEADER.size + layout.chunk_nbytes
+        self.writable = True
+        self.num_bad_files = 0
+        self.num_writes = 0
+        self.num_write_errors = 0
+        self._warned: set[str] = set()
+        self._index: OrderedDict[bytes, None] = OrderedDict()  # oldest first
+        self._lock = threading.Lock()  # the index: the writer thread and the loop both use it
+        self.on_change: Callable[[str, bytes], None] | None = None  # ("stored"|"removed", name)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._scan()
+        except OSError as err:
+            self._stop_writing(f"cannot use {self.dir}: {err}")
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def path(self, name: bytes) -> Path:
+        return self.dir / chunk_file(name.hex())
+
+    def contains(self, name: bytes) -> bool:
+        """Known here, or written by another engine sharing the directory since the scan."""
+        if name in self._index:
+            return True
+        if self.path(name).is_file():
+            self._remember(name)
+            self._changed("stored", name)
+            return True
+        return False
+
+    def names(self) -> list[bytes]:
+        """Every chunk known here, oldest first."""
+        with self._lock:
+            return list(self._index)
+
+    def write(self, name: bytes, chunk: torch.Tensor) -> bool:
+        """Write one chunk (writer thread). False if writing is off or failed."""
+        if not self.writable:
+            return False
+        payload = chunk.contiguous().view(torch.uint8).numpy().tobytes()
+        header = _HEADER.pack(_MAGIC, self.fingerprint, name, len(payload), zlib.crc32(payload))
+        final = self.path(name)
+        tmp = final.with_name(f"{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            self._make_room()
+            self._write_file(tmp, header + payload)
+            os.replace(tmp, final)
+        except OSError as err:  # ENOSPC, EACCES, EROFS, EIO: stop writing, keep serving
+            self.num_write_errors += 1
+            tmp.unlink(missing_ok=True)
+            reason = "the disk is full" if err.errno == errno.ENOSPC else str(err)
+            self._stop_writing(f"writing KV chunks to {self.dir} failed ({reason})")
+            return False
+        self._remember(name)
+        self._changed("stored", name)
+        self.num_writes += 1
+        return True
+
+    @staticmethod
+    def _write_file(path: Path, data: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+
+    def read(self, name: bytes) -> torch.Tensor | None:
+        """The chunk, or None if its file is missing or does not check out (a miss)."""
+        path = self.path(name)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            with self._lock:
+                known = self._index.pop(name, 0) is None
+            if known:
+                self._changed("removed", name)
+            return None
+        except OSError as err:
+            self._bad(name, path, f"unreadable: {err}")
+            return None
+        if len(data) != self.file_nbytes:
+            self._bad(name, path, f"{len(data)} bytes, expected {self.file_nbytes} (truncated?)")
+            return None
+        magic, fingerprint, stored_name, nbytes, crc = _HEADER.unpack_from(data)
+        payload = memoryview(data)[_HEADER.size :]
+        if magic != _MAGIC or fingerprint != self.fingerprint or stored_name != name:
+            self._bad(name, path, "written for another model, layout or chunk")
+            return None
+        if nbytes != len(payload) or zlib.crc32(payload) != crc:
+            self._bad(name, path, "checksum mismatch (corrupt)")
+            return None
+        self._remember(name)
+        chunk = torch.frombuffer(bytearray(payload), dtype=self.layout.dtype)
+        return chunk.view(self.layout.chunk_shape)
+
+    def _scan(self) -> None:
+        """Index the files a previous run (or another engine) left; drop unfinished writes."""
+        files = []
+        for entry in os.scandir(self.dir):
+            if entry.name.endswith(".tmp"):
+                Path(entry.path).unlink(missing_ok=True)  # a write that never finished
+            elif entry.name.endswith(".kv") and len(entry.name) == 2 * NAME_BYTES + 3:
+                files.append((entry.stat().st_mtime, bytes.fromhex(entry.name[:-3])))
+        for _, name in sorted(files):
+            self._index[name] = None
+
+    def _remember(self, name: bytes) -> None:
+        with self._lock:
+            self._index[name] = None
+            self._index.move_to_end(name)
+
+    def _make_room(self) -> None:
+        """Remove the least recently used files until one more fits the capacity."""
+        while True:
+            with self._lock:
+                if (
+                    not self._index
+                    or (len(self._index) + 1) * self.file_nbytes <= self.capacity_bytes
+                ):
+                    return
+                name, _ = self._index.popitem(last=False)
+            self.path(name).unlink(missing_ok=True)
+            self._changed("removed", name)
+
+    def _bad(self, name: bytes, path: Path, why: str) -> None:
+        self.num_bad_files += 1
+        with self._lock:
+            known = self._index.pop(name, 0) is None
+        path.unlink(missing_ok=True)
+        if known:
+            self._changed("removed", name)
+        self._warn_once(
+            "bad",
+            f"KV chunk file {path} is not used: {why}; its tokens are "
+            "computed instead (further bad files are counted, not logged)",
+        )
+
+    def _changed(self, kind: str, name: bytes) -> None:
+        if self.on_change is not None:
+            self.on_change(kind, name)
+
+    def _stop_writing(self, message: str) -> None:
+        self.writable = False
+        self._warn_once(
+            "write", f"{message}; KV chunks are no longer written to disk, serving goes on"
+        )
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message)

@@ -1,0 +1,555 @@
+"""KV below the device pool: host memory (L2) and a directory of chunk files (L3).
+
+The radix tree holds the device tier (L1). What it evicts is demoted here instead of thrown
+away, and a request whose path continues past its device match loads those tokens into fresh
+slots instead of computing them. The unit is a *chunk*: `chunk_tokens` tokens (whole pages)
+at a fixed offset from the root, named by a digest chained over every token from the root,
+starting from the layout's fingerprint (model, weights, dtype, page size, KV shape) and the
+namespace. So a name stands for its whole prefix: a namespace never reads another's chunks,
+and a file written for another model or dtype has a name nobody asks for (and a header that
+says so). A chunk may live in L2, L3 or both; the tree's nodes stay device-only, and "how far
+the lower tiers extend a device match" is a walk along the request's own chunk names.
+
+Threads: the engine's loop thread demotes, probes and loads; a writer thread writes L3 files
+(write-back from L2, or write-through); a prefetch thread reads L3 files into L2 ahead of
+admission. `lock` guards the indexes and host rows; file I/O happens outside it, but for a
+write the writer thread is too far behind to take (the caller writes it rather than lose it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runtime.cache.chunks import TierLayout, TierView, chunk_names
+from runtime.cache.disk_tier import DiskTier
+from runtime.cache.pool import KVPool, lazy_zeros
+
+log = logging.getLogger("flowlang.kv_tiers")
+
+WRITE_QUEUE_CHUNKS = 256  # L3 writes waiting at most; beyond, the caller writes (counted)
+
+
+# ---------------------------------------------------------------------------- L2
+
+
+class HostTier:
+    """`capacity_chunks` chunk rows in host memory (pinned when the pool is on CUDA), LRU.
+
+    A path's chunks are touched leaf to root, so a parent is always fresher than its
+    children and eviction goes leaf-first, as in the tree. Chunks prefetched for a known
+    reader are *held*: evicted only when nothing else is left, until read (at most half the
+    rows; beyond that the oldest hold lapses), so demotions do not push them out first."""
+
+    def __init__(self, layout: TierLayout, capacity_chunks: int, pin_memory: bool) -> None:
+        shape = (capacity_chunks, *layout.chunk_shape)
+        if pin_memory:
+            self.data = torch.empty(shape, dtype=layout.dtype, pin_memory=True)
+        else:
+            self.data = lazy_zeros(shape, layout.dtype)
+        self.capacity_chunks = capacity_chunks
+        self._rows: OrderedDict[bytes, int] = OrderedDict()  # not held; oldest first
+        self._held: OrderedDict[bytes, int] = OrderedDict()  # held; oldest hold first
+        self._free = list(range(capacity_chunks - 1, -1, -1))
+
+    def __contains__(self, name: bytes) -> bool:
+        return name in self._rows or name in self._held
+
+    def __len__(self) -> int:
+        return len(self._rows) + len(self._held)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def row(self, name: bytes) -> int | None:
+        row = self._rows.get(name)
+        return row if row is not None else self._held.get(name)
+
+    def items(self) -> list[tuple[bytes, int]]:
+        """(chunk name, row) of every chunk here, the evictable oldest first."""
+        return [*self._rows.items(), *self._held.items()]
+
+    def touch(self, names: Sequence[bytes]) -> None:
+        """Mark a path's chunks (root first in `names`) used, the root freshest; a held
+        chunk that is read is held no more."""
+        for name in reversed(names):
+            row = self._held.pop(name, None)
+            if row is not None:
+                self._rows[name] = row
+            if name in self._rows:
+                self._rows.move_to_end(name)
+
+    def hold(self, name: bytes) -> None:
+        """Keep `name` until it is read (a prefetch for a known reader)."""
+        row = self._rows.pop(name, None)
+        if row is None:
+            return
+        self._held[name] = row
+        if len(self._held) > self.capacity_chunks // 2:
+            lapsed, row = self._held.popitem(last=False)
+            self._rows[lapsed] = row
+            self._rows.move_to_end(lapsed, last=False)  # its reader is late: it goes first
+
+    def take(self, name: bytes) -> tuple[int, tuple[bytes, int] | None]:
+        """A row for `name` (new, freshest) and the (name, row) it displaced, if any: the
+        caller copies that row out before writing the new one."""
+        if self._free:
+            row = self._free.pop()
+            self._rows[name] = row
+            return row, None
+        victims = self._rows if self._rows else self._held
+        victim, row = victims.popitem(last=False)
+        self._rows[name] = row
+        return row, (victim, row)
+
+    def check_integrity(self) -> None:
+        rows = [*self._rows.values(), *self._held.values()]
+        assert not self._rows.keys() & self._held.keys(), "a chunk both held and not"
+        assert len(set(rows)) == len(rows), "two chunks share a host row"
+        assert not set(rows) & set(self._free), "a host row is both used and free"
+        assert len(rows) + len(self._free) == self.capacity_chunks, "host rows lost"
+        assert len(self._held) <= self.capacity_chunks // 2, "too many held chunks"
+
+
+# ---------------------------------------------------------------------------- both
+
+
+@dataclass(frozen=True)
+class TierExtent:
+    """How far the lower tiers continue a device match: chunks `first_chunk`.. named
+    `names`, in L2 (`in_host[i]`) or only in L3; `start` is where the device match ends."""
+
+    start: int
+    first_chunk: int
+    names: tuple[bytes, ...]
+    in_host: tuple[bool, ...]
+    chunk_tokens: int
+
+    @property
+    def end(self) -> int:
+        return (
+            (self.first_chunk + len(self.names)) * self.chunk_tokens if self.names else self.start
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    def within(self, num_tokens: int) -> TierExtent:
+        """The longest head of this extent, in whole chunks, that is at most `num_tokens`."""
+        c = self.chunk_tokens
+        num_chunks = min(len(self.names), (self.start + num_tokens) // c - self.first_chunk)
+        num_chunks = max(0, num_chunks)
+        return TierExtent(
+            self.start, self.first_chunk, self.names[:num_chunks], self.in_host[:num_chunks], c
+        )
+
+
+@dataclass
+class TierCounters:
+    demoted_tokens: int = 0  # L1 evictions kept below (chunks not already there)
+    loaded_host_tokens: int = 0
+    loaded_disk_tokens: int = 0
+    prefetched_chunks: int = 0  # L3 -> L2 ahead of admission
+    load_seconds: float = 0.0  # on the admission path (the step waits for it)
+    disk_read_seconds: float = 0.0  # ... of which reading chunk files
+    prefetch_seconds: float = 0.0  # reading chunk files on the prefetch thread (nobody waits)
+    writes_inline: int = 0  # L3 writes made on the caller's thread: the writer was behind
+    errors: int = 0  # unexpected failures below the pool (see KVTiers._failed)
+
+
+class KVTiers:
+    """L2 and/or L3 under one KV pool: demote, probe, load, prefetch, persist."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        layout: TierLayout,
+        host_bytes: int = 0,
+        disk_dir: str | Path | None = None,
+        disk_bytes: int = 0,
+        write_through: bool = False,
+    ) -> None:
+        self.pool = pool
+        self.layout = layout
+        self.chunk_tokens = layout.chunk_tokens
+        self.fingerprint = layout.fingerprint
+        self.write_through = write_through
+        host_chunks = host_bytes // layout.chunk_nbytes
+        self.host = (
+            HostTier(layout, host_chunks, pool.device.type == "cuda") if host_chunks else None
+        )
+        self.disk = DiskTier(disk_dir, layout, disk_bytes) if disk_dir is not None else None
+        if self.host is None and self.disk is None:
+            raise ValueError("KVTiers needs host memory (host_bytes) or a disk directory")
+        self.counters = TierCounters()
+        self.lock = threading.Lock()
+        self._pending: dict[bytes, torch.Tensor] = {}  # queued L3 writes, readable meanwhile
+        self._writes: queue.Queue = queue.Queue(WRITE_QUEUE_CHUNKS)
+        self._prefetches: queue.Queue = queue.Queue()
+        self._prefetching: set[bytes] = set()
+        # KV events (events.py): publisher.emit once someone subscribes; changes made on any
+        # thread wait in _events until the loop thread flushes them (once a step)
+        self.event_sink: Callable[..., None] | None = None
+        self._events: list[tuple[str, str, bytes]] = []
+        self._events_lock = threading.Lock()
+        self._threads = []
+        if self.disk is not None:
+            self.disk.on_change = lambda kind, name: self._note(kind, "disk", name)
+            for target, name in (
+                (self._write_loop, "kv-disk-writer"),
+                (self._prefetch_loop, "kv-prefetch"),
+            ):
+                thread = threading.Thread(target=target, name=name, daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    # ------------------------------------------------------------------ probe
+    def names(
+        self, namespace: Hashable, ids: Sequence[int], end: int, memo: list[bytes] | None = None
+    ) -> list[bytes]:
+        return chunk_names(
+            self.fingerprint, namespace, ids, self.chunk_tokens, end // self.chunk_tokens, memo
+        )
+
+    def extent(
+        self,
+        namespace: Hashable,
+        ids: Sequence[int],
+        start: int,
+        limit: int,
+        memo: list[bytes] | None = None,
+    ) -> TierExtent:
+        """How far L2/L3 continue `ids` past a device match ending at `start` (pure)."""
+        c = self.chunk_tokens
+        first = start // c
+        names = self.names(namespace, ids, limit, memo)
+        found, in_host = [], []
+        with self.lock:
+            for name in names[first:]:
+                here = self.host is not None and name in self.host
+                if not (
+                    here
+                    or name in self._pending
+                    or (self.disk is not None and self.disk.contains(name))
+                ):
+                    break
+                found.append(name)
+                in_host.append(here)
+        extent = TierExtent(start, first, tuple(found), tuple(in_host), c)
+        return extent if extent.end > start else TierExtent(start, first, (), (), c)
+
+    # ------------------------------------------------------------------ down
+    def demote(
+        self, namespace: Hashable, path: tuple[int, ...], start: int, slots: torch.Tensor
+    ) -> None:
+        """Keep the whole chunks of `path` from `start` on (`slots`: the whole path's, still
+        valid) below L1: in L2 if there is one, else in L3. Never raises: it runs inside the
+        tree's eviction, which must complete."""
+        try:
+            self._store(namespace, path, start, slots, count=True)
+        except Exception:  # noqa: BLE001 - see _failed
+            self._failed("keeping evicted KV below the pool")
+
+    def store(
+        self,
+        namespace: Hashable,
+        ids: Sequence[int],
+        start: int,
+        slots: torch.Tensor,
+        memo: list[bytes] | None = None,
+    ) -> None:
+        """Write-through: back up the whole chunks of `ids` from `start` on, now (`memo`: the
+        sequence's chunk names so far, see chunk_names)."""
+        self._store(namespace, ids, start, slots, count=False, to_disk=True, memo=memo)
+
+    def _store(
+        self, namespace, ids, start, slots, count: bool, to_disk: bool = False, memo=None
+    ) -> None:
+        c = self.chunk_tokens
+        names = self.names(namespace, ids, len(ids), memo)
+        first = start // c
+        if first >= len(names):
+            return
+        with self.lock:
+            new = []  # (chunk, into L2, into L3)
+            for k in range(first, len(names)):
+                name = names[k]
+                into_host = self.host is not None and name not in self.host
+                into_disk = (
+                    self.disk is not None
+                    and (self.host is None or to_disk)
+                    and not (name in self._pending or self.disk.contains(name))
+                )
+                if into_host or into_disk:
+                    new.append((k, into_host, into_disk))
+            if new:
+                idx = torch.cat([slots[k * c : (k + 1) * c] for k, _, _ in new])
+                k_rows, v_rows = self.pool.read_rows(idx)  # (layers, n, heads, dim) each
+                chunks = torch.stack([k_rows, v_rows], 1).to("cpu")  # (layers, 2, n, heads, dim)
+                for i, (k, into_host, into_disk) in enumerate(new):
+                    data = chunks[:, :, i * c : (i + 1) * c]
+                    if into_host:
+                        self._put_host(names[k], data)
+                    if into_disk:
+                        self._queue_write(names[k], data.clone())
+            if self.host is not None:
+                self.host.touch(names[first:])
+        if count:
+            self.counters.demoted_tokens += len(new) * c
+
+    def _spill(self, name: bytes, row: int) -> None:
+        """An L2 row is reused: its chunk goes to L3 unless it is there (write-back)."""
+        if self.disk is not None and not (name in self._pending or self.disk.contains(name)):
+            self._queue_write(name, self.host.data[row].clone())
+
+    def _queue_write(self, name: bytes, data: torch.Tensor) -> None:
+        if not self.disk.writable or name in self._pending:
+            return
+        try:
+            self._writes.put_nowait(name)
+        except queue.Full:  # the writer is behind: write here rather than lose the chunk
+            self.counters.writes_inline += 1
+            self.disk.write(name, data)
+            return
+        self._pending[name] = data
+
+    def persist(self, paths: Iterable[tuple[Hashable, Sequence[int], torch.Tensor]]) -> int:
+        """Write every whole chunk of the given (namespace, path, slots) and every L2 chunk
+        that is not on disk yet, here and now (a clean shutdown: a restart on the same
+        directory starts warm; the write queue would drop what does not fit). Returns how
+        many chunks were written."""
+        if self.disk is None:
+            return 0
+        self.drain()
+        c, written = self.chunk_tokens, 0
+        for namespace, path, slots in paths:
+            for k, name in enumerate(self.names(namespace, path, len(path))):
+                if self.disk.writable and not self.disk.contains(name):
+                    k_rows, v_rows = self.pool.read_rows(slots[k * c : (k + 1) * c])
+                    written += self.disk.write(name, torch.stack([k_rows, v_rows], 1).cpu())
+        if self.host is not None:
+            with self.lock:
+                rows = list(self.host.items())
+            for name, row in rows:
+                if self.disk.writable and not self.disk.contains(name):
+                    with self.lock:
+                        data = self.host.data[row].clone()
+                    written += self.disk.write(name, data)
+        return written
+
+    # ------------------------------------------------------------------ up
+    def load(self, extent: TierExtent, slots: torch.Tensor) -> int:
+        """Copy the extent into `slots` ((extent.num_tokens,) fresh slots); returns how many
+        tokens were loaded: fewer if an L3 chunk turned out bad (the rest is computed)."""
+        try:
+            return self._load(extent, slots)
+        except Exception:  # noqa: BLE001 - see _failed: the caller computes them instead
+            self._failed("loading KV from below the pool")
+            return 0
+
+    def _load(self, extent: TierExtent, slots: torch.Tensor) -> int:
+        started = time.perf_counter()
+        skip = extent.start - extent.first_chunk * self.chunk_tokens
+        parts: list[torch.Tensor] = []
+        from_host: list[bool] = []
+        for name in extent.names:
+            with self.lock:
+                row = self.host.row(name) if self.host is not None else None
+                data = self.host.data[row].clone() if row is not None else self._pending.get(name)
+            here = row is not None  # a chunk still queued for its file counts as L3's
+            if data is None:  # not copied into L2 on the way: that would push out the rest
+                read_started = time.perf_counter()
+                data = self.disk.read(name) if self.disk is not None else None
+                self.counters.disk_read_seconds += time.perf_counter() - read_started
+                if data is None:
+                    break  # a bad file: what follows it is computed
+            parts.append(data)
+            from_host.append(here)
+        if not parts:
+            return 0
+        chunks = torch.cat(parts, 2)[:, :, skip:]  # (layers, 2, tokens, heads, dim)
+        loaded = chunks.shape[2]
+        self.pool.write_rows(slots[:loaded], chunks[:, 0], chunks[:, 1])
+        if self.host is not None:
+            with self.lock:
+                self.host.touch(extent.names[: len(parts)])
+        sizes = [self.chunk_tokens] * len(parts)
+        sizes[0] -= skip
+        host = sum(n for n, h in zip(sizes, from_host, strict=True) if h)
+        self.counters.loaded_host_tokens += host
+        self.counters.loaded_disk_tokens += loaded - host
+        self.counters.load_seconds += time.perf_counter() - started
+        return loaded
+
+    def prefetch(self, extent: TierExtent) -> None:
+        """Bring the extent's L3-only chunks into L2 on the prefetch thread (never waits)."""
+        if self.disk is None or self.host is None:
+            return
+        for name, here in zip(extent.names, extent.in_host, strict=True):
+            if not here and name not in self._prefetching:
+                self._prefetching.add(name)
+                self._prefetches.put(name)
+
+    def _put_host(self, name: bytes, data: torch.Tensor) -> None:
+        if name in self.host:
+            return
+        row, displaced = self.host.take(name)
+        if displaced is not None:
+            self._spill(*displaced)
+            self._note("removed", "host", displaced[0])
+        self.host.data[row].copy_(data)
+        self._note("stored", "host", name)
+
+    # ------------------------------------------------------------------ events
+    def _note(self, kind: str, medium: str, name: bytes) -> None:
+        if self.event_sink is not None:
+            with self._events_lock:
+                self._events.append((kind, medium, name))
+
+    def flush_events(self) -> None:
+        """Publish the lower tiers' changes since the last flush (loop thread), runs of one
+        kind and medium as one event."""
+        if self.event_sink is None or not self._events:
+            return
+        with self._events_lock:
+            events, self._events = self._events, []
+        for (kind, medium), run in itertools.groupby(events, key=lambda e: e[:2]):
+            self.event_sink(kind, None, (), 0, medium, tuple(e[2].hex() for e in run))
+
+    def lower_snapshot(self) -> list[tuple[str, tuple[str, ...]]]:
+        """(medium, hex chunk names) per tier, for a new subscriber's snapshot (loop thread);
+        changes not yet flushed are in it already."""
+        with self.lock, self._events_lock:
+            self._events.clear()
+            host = [name for name, _ in self.host.items()] if self.host is not None else []
+            disk = self.disk.names() if self.disk is not None else []
+        return [("host", tuple(n.hex() for n in host)), ("disk", tuple(n.hex() for n in disk))]
+
+    # ------------------------------------------------------------------ threads
+    def _write_loop(self) -> None:
+        while (name := self._writes.get()) is not None:
+            try:
+                with self.lock:
+                    data = self._pending.get(name)
+                if data is not None:
+                    self.disk.write(name, data)
+            except Exception:  # noqa: BLE001 - a bug here must not stop the writer (or drain)
+                self._failed("writing a KV chunk to disk")
+            finally:
+                with self.lock:
+                    self._pending.pop(name, None)
+                self._writes.task_done()
+
+    def _prefetch_loop(self) -> None:
+        while (name := self._prefetches.get()) is not None:
+            try:
+                self._prefetch_one(name)
+            except Exception:  # noqa: BLE001 - a bug here must not stop prefetching (or drain)
+                self._failed("prefetching a KV chunk")
+            finally:
+                self._prefetching.discard(name)
+                self._prefetches.task_done()
+
+    def _prefetch_one(self, name: bytes) -> None:
+        started = time.perf_counter()
+        with self.lock:
+            known = name in self.host
+            if known:
+                self.host.hold(name)
+        data = None if known else self.disk.read(name)
+        if data is not None:
+            with self.lock:
+                self._put_host(name, data)
+                self.host.hold(name)
+                self.counters.prefetched_chunks += 1
+                self.counters.prefetch_seconds += time.perf_counter() - started
+
+    def _failed(self, what: str) -> None:
+        """An unexpected error below the pool: the KV involved is computed again instead
+        (results do not change); counted, the first one logged with its traceback."""
+        self.counters.errors += 1
+        if self.counters.errors == 1:
+            log.exception("%s failed; its tokens will be computed instead", what)
+
+    def drain(self) -> None:
+        """Wait for queued prefetches and writes (tests, shutdown)."""
+        if self.disk is not None:
+            self._prefetches.join()
+            self._writes.join()
+
+    def close(self) -> None:
+        """Finish queued writes, stop the threads."""
+        self.drain()
+        for q in (self._writes, self._prefetches):
+            q.put(None)
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self._threads = []
+
+    def view(self) -> TierView:
+        """How these tiers name chunks and where their disk is, for a router."""
+        root = self.disk.dir.parent if self.disk is not None else None
+        return TierView(root, self.fingerprint, self.chunk_tokens)
+
+    # ------------------------------------------------------------------ stats, checks
+    def describe(self) -> str:
+        """One line for the engine's startup summary."""
+        parts = []
+        if self.host is not None:
+            gib = self.host.capacity_chunks * self.layout.chunk_nbytes / 2**30
+            parts.append(
+                f"host {gib:.2f} GiB ({self.host.capacity_chunks * self.chunk_tokens:,} tokens)"
+            )
+        if self.disk is not None:
+            found = len(self.disk) * self.chunk_tokens
+            state = "" if self.disk.writable else ", read only (see the warning)"
+            parts.append(
+                f"disk {self.disk.dir.parent} (up to {self.disk.capacity_bytes / 2**30:g} "
+                f"GiB, {found:,} tokens there at start{state})"
+            )
+        policy = "write-through" if self.write_through else "write-back"
+        return f"{'; '.join(parts)}; {policy}, {self.chunk_tokens}-token chunks"
+
+    def stats(self) -> dict[str, float]:
+        c = self.counters
+        return {
+            "kv_demoted_tokens_total": c.demoted_tokens,
+            "kv_loaded_host_tokens_total": c.loaded_host_tokens,
+            "kv_loaded_disk_tokens_total": c.loaded_disk_tokens,
+            "kv_prefetched_tokens_total": c.prefetched_chunks * self.chunk_tokens,
+            "kv_load_seconds_total": c.load_seconds,
+            "kv_load_disk_seconds_total": c.disk_read_seconds,
+            "kv_prefetch_seconds_total": c.prefetch_seconds,
+            "kv_host_held_tokens": self.host.num_held * self.chunk_tokens
+            if self.host is not None
+            else 0,
+            "kv_host_tokens": len(self.host) * self.chunk_tokens if self.host is not None else 0,
+            "kv_host_capacity_tokens": (
+                self.host.capacity_chunks * self.chunk_tokens if self.host is not None else 0
+            ),
+            "kv_disk_tokens": len(self.disk) * self.chunk_tokens if self.disk is not None else 0,
+            "kv_disk_bad_files_total": self.disk.num_bad_files if self.disk is not None else 0,
+            "kv_disk_writes_total": self.disk.num_writes if self.disk is not None else 0,
+            "kv_disk_write_errors_total": self.disk.num_write_errors
+            if self.disk is not None
+            else 0,
+            "kv_disk_writes_inline_total": c.writes_inline,
+            "kv_tier_errors_total": c.errors,
+            "kv_disk_writable": int(self.disk.writable) if self.disk is not None else 0,
+        }
+
+    def check_integrity(self) -> None:
+        with self.lock:
+            if self.host is not None:
+                self.host.check_integrity()
