@@ -141,7 +141,8 @@ class TierMachine(RuleBasedStateMachine):
     def prefetch(self, namespace, seq):
         self.remember_names(namespace, seq)
         start = self.cache.match_prefix(seq, namespace).prefix_len
-        self.tiers.prefetch(self.tiers.extent(namespace, seq, start, len(seq)))
+        extent = self.tiers.extent(namespace, seq, start, len(seq))
+        self.tiers.prefetch(extent, self.tiers.hold_budget_chunks)
         self.tiers.drain()
 
     @precondition(lambda self: len(self.tiers.disk))
@@ -284,3 +285,23 @@ def test_chunk_names_chain_over_the_whole_prefix_and_the_namespace():
     assert chunk_names(b"layout", None, ids, 16, 3, memo) == names[:3] == memo
     assert chunk_names(b"layout", None, ids, 16, 2, memo) == names[:2]  # never more than asked
     assert chunk_names(b"layout", None, ids, 16, 10, memo) == names == memo
+
+
+def test_host_rows_go_leaf_first_and_held_chunks_outlast_demotions():
+    from runtime.cache.tiers import HostTier
+
+    host = HostTier(TierLayout("m", 1, 1, 2, torch.float32, 16), 4, pin_memory=False)
+    for name in (b"root", b"mid", b"leaf"):
+        host.take(name)
+    host.touch([b"root", b"mid", b"leaf"])  # a path read root first: the leaf goes first
+    assert host.take(b"x") == (3, None)  # a free row first
+    assert host.take(b"y")[1][0] == b"leaf"
+    host.hold(b"root")  # a queued reader will read it
+    assert host.take(b"z")[1][0] == b"mid" and host.take(b"w")[1][0] == b"x"
+    assert b"root" in host and host.num_held == 1
+    host.hold(b"y")
+    host.hold(b"z")  # a third hold is over half of 4 rows: the oldest hold lapses, goes next
+    assert host.num_held == 2 and host.take(b"v")[1][0] == b"root"
+    host.touch([b"y"])  # read: no longer held
+    assert host.num_held == 1
+    host.check_integrity()

@@ -392,14 +392,27 @@ class KVTiers:
         self.counters.load_seconds += time.perf_counter() - started
         return loaded
 
-    def prefetch(self, extent: TierExtent) -> None:
-        """Bring the extent's L3-only chunks into L2 on the prefetch thread (never waits)."""
-        if self.disk is None or self.host is None:
-            return
-        for name, here in zip(extent.names, extent.in_host, strict=True):
-            if not here and name not in self._prefetching:
+    @property
+    def hold_budget_chunks(self) -> int:
+        """How many L2 chunks may be held for known readers at once."""
+        return self.host.capacity_chunks // 2 if self.host is not None else 0
+
+    def prefetch(self, extent: TierExtent, budget_chunks: int) -> int:
+        """Keep the first `budget_chunks` chunks of the extent in L2 for a known reader:
+        hold those already there, bring the L3-only ones in on the prefetch thread (never
+        waits). Returns how many chunks of the budget it used."""
+        if self.host is None:
+            return 0
+        names = extent.names[:budget_chunks]
+        with self.lock:
+            for name, here in zip(names, extent.in_host, strict=False):
+                if here:
+                    self.host.hold(name)
+        for name, here in zip(names, extent.in_host, strict=False):
+            if not here and self.disk is not None and name not in self._prefetching:
                 self._prefetching.add(name)
                 self._prefetches.put(name)
+        return len(names)
 
     def _put_host(self, name: bytes, data: torch.Tensor) -> None:
         if name in self.host:

@@ -142,24 +142,30 @@ class KVManager:
 
     @property
     def prefetches(self) -> bool:
-        """Whether there is a disk tier to prefetch from and host memory to prefetch into."""
-        tiers = self.tiers
-        return tiers is not None and tiers.disk is not None and tiers.host is not None
+        """Whether there is host memory to hold (and prefetch from disk) what is read next."""
+        return self.tiers is not None and self.tiers.host is not None
 
     def prefetch(self, waiting: Iterable[tuple[Req, TreePosition]]) -> None:
-        """Once a step: queue disk-to-host loads of what the graph says is read next (the
-        first waiting requests in admission order, with their current matches; branches whose
-        declared return is near), so admission copies from host memory. Never waits."""
+        """Once a step: keep in host memory what the graph says is read next (the first
+        waiting requests in admission order, with their current matches; branches whose
+        declared return is near), loading it from disk if need be, so admission copies from
+        host memory. Never waits."""
         tiers = self.tiers
+        budget = tiers.hold_budget_chunks  # the soonest readers first; held chunks never lapse
         for req, position in itertools.islice(waiting, PREFETCH_QUEUE_DEPTH):
+            if budget <= 0:
+                return
             ids, start, limit = req.all_ids, position.prefix_len, req.match_limit
-            tiers.prefetch(tiers.extent(req.namespace, ids, start, limit, req.chunk_names))
+            extent = tiers.extent(req.namespace, ids, start, limit, req.chunk_names)
+            budget -= tiers.prefetch(extent, budget)
         for key, (return_s, namespace, ids, names) in list(self._returning.items()):
             if return_s + CONTINUATION_GRACE_S < self.now_s:
                 del self._returning[key]  # it never came back
-            elif return_s - PREFETCH_LEAD_S <= self.now_s:
+            elif return_s - PREFETCH_LEAD_S <= self.now_s and budget > 0:
                 start = self.cache.match_prefix(ids, namespace).prefix_len
-                tiers.prefetch(tiers.extent(namespace, ids, start, len(ids), names))
+                budget -= tiers.prefetch(
+                    tiers.extent(namespace, ids, start, len(ids), names), budget
+                )
 
     # ------------------------------------------------------------------ protocol
     def take_prefix(self, req: Req, position: TreePosition) -> int:
