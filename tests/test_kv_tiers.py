@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import random
 import re
 import shutil
@@ -181,10 +182,14 @@ def test_bad_files_are_misses_and_a_crash_leaves_nothing_trusted(tmp_path, caplo
     # a write cut short by a crash: only its temporary file exists
     partial = files[3][0].read_bytes()[:5000]
     files[3][0].unlink()
-    files[3][0].with_name(files[3][0].name + ".123.456.tmp").write_bytes(partial)
+    dead_pid = 2**22 + 1  # above Linux's largest pid: no process has it
+    files[3][0].with_name(f"{files[3][0].name}.{dead_pid}.1.tmp").write_bytes(partial)
+    # and one that a live engine sharing the directory is writing right now: kept
+    live = files[3][1].with_name(f"{files[3][1].name}.{os.getpid()}.1.tmp")
+    live.write_bytes(partial)
     with caplog.at_level(logging.WARNING, logger="flowlang.kv_tiers"):
         with Engine(config(disk_kv_dir=str(tmp_path))) as engine:
-            assert not list(files[3][0].parent.glob("*.tmp"))  # removed at startup
+            assert list(files[3][0].parent.glob("*.tmp")) == [live]  # the dead one removed
             warm = [generate(engine, ids) for ids in prompts]
             stats = engine.stats()
     assert [r.output_ids for r in warm] == [r.output_ids for r in cold]
@@ -486,3 +491,24 @@ def test_a_failure_below_the_pool_costs_recomputation_not_results(no_tiers, monk
     assert stats["kv_tier_errors_total"] > 0 and stats["kv_loaded_host_tokens_total"] == 0
     assert stats["prefill_tokens_total"] == no_tiers[1]["prefill_tokens_total"]
     assert len([r for r in caplog.records if "simulated bug" in (r.exc_text or "")]) == 1
+
+
+def test_a_passing_write_error_loses_one_chunk_not_the_disk_tier(tmp_path, monkeypatch):
+    """A temporary file removed under a write (say by another engine's cleanup) is not a full
+    disk: that chunk is not written, later ones are."""
+    calls = []
+
+    def flaky(path, data):
+        calls.append(path)
+        if len(calls) == 1:
+            raise FileNotFoundError(errno.ENOENT, "gone", str(path))
+        path.write_bytes(data)
+
+    monkeypatch.setattr(DiskTier, "_write_file", staticmethod(flaky))
+    with Engine(config(disk_kv_dir=str(tmp_path), kv_write_policy="write_through")) as engine:
+        generate(engine, long_prompt(80))
+        engine.tiers.drain()
+        stats, num_calls = engine.stats(), len(calls)
+    assert stats["kv_disk_write_errors_total"] == 1 and stats["kv_disk_writable"] == 1
+    assert stats["kv_disk_writes_total"] == num_calls - 1 > 0
+    assert len(calls) == num_calls + 1  # close() wrote the lost chunk

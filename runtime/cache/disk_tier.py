@@ -25,6 +25,9 @@ from runtime.cache.chunks import NAME_BYTES, TierLayout, chunk_file
 log = logging.getLogger("flowlang.kv_tiers")
 
 _MAGIC = b"FLKVCHK1"
+# write errors that would recur: writing stops (others, such as a temporary file another
+# engine sharing the directory removed, lose that one chunk)
+_LASTING_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO}
 _HEADER = struct.Struct("<8s16s16sQI")  # magic, layout fingerprint, chunk name, bytes, crc32
 
 
@@ -88,11 +91,12 @@ class DiskTier:
             self._make_room()
             self._write_file(tmp, header + payload)
             os.replace(tmp, final)
-        except OSError as err:  # ENOSPC, EACCES, EROFS, EIO: stop writing, keep serving
+        except OSError as err:
             self.num_write_errors += 1
             tmp.unlink(missing_ok=True)
-            reason = "the disk is full" if err.errno == errno.ENOSPC else str(err)
-            self._stop_writing(f"writing KV chunks to {self.dir} failed ({reason})")
+            if err.errno in _LASTING_ERRORS:  # it would fail again: stop writing, keep serving
+                reason = "the disk is full" if err.errno == errno.ENOSPC else str(err)
+                self._stop_writing(f"writing KV chunks to {self.dir} failed ({reason})")
             return False
         self._remember(name)
         self._changed("stored", name)
@@ -138,7 +142,8 @@ class DiskTier:
         files = []
         for entry in os.scandir(self.dir):
             if entry.name.endswith(".tmp"):
-                Path(entry.path).unlink(missing_ok=True)  # a write that never finished
+                if not _writer_alive(entry.name):  # a write that never finished
+                    Path(entry.path).unlink(missing_ok=True)
             elif entry.name.endswith(".kv") and len(entry.name) == 2 * NAME_BYTES + 3:
                 files.append((entry.stat().st_mtime, bytes.fromhex(entry.name[:-3])))
         for _, name in sorted(files):
@@ -189,3 +194,20 @@ class DiskTier:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message)
+
+
+def _writer_alive(tmp_name: str) -> bool:
+    """Whether the process that is writing `<chunk>.kv.<pid>.<thread>.tmp` still runs (an
+    engine sharing the directory); a crashed writer's file is removed."""
+    parts = tmp_name.split(".")
+    try:
+        pid = int(parts[-3])
+    except (IndexError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    return True
