@@ -195,7 +195,8 @@ def add_serve(commands: Commands) -> None:
         default="write_back",
         choices=KV_WRITE_POLICIES,
         help="write_back: KV moves down a tier when evicted; write_through: every computed "
-        "chunk is also copied down at once (to disk too, for replicas sharing it)",
+        "chunk is also copied down at once (to disk too, for replicas sharing it); "
+        "write_through_selective: a cached prefix is copied down at its second cache hit",
     )
     serve.add_argument(
         "--max-body-bytes",

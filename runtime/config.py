@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from runtime.cache.eviction import EVICTION_POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
-KV_WRITE_POLICIES = ("write_back", "write_through")
+KV_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
 DEVICES = ("cpu", "cuda", "cuda:<index>")
 _DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
@@ -62,7 +62,8 @@ class EngineConfig(BaseModel):
     kv_write_policy: str = Field(
         "write_back",
         description="write_back: KV moves down a tier when evicted; write_through: every "
-        "computed chunk is also copied down at once (to disk too: for engines sharing it)",
+        "computed chunk is also copied down at once (to disk too: for engines sharing it); "
+        "write_through_selective: a cached prefix is copied down at its second cache hit",
     )
     schedule_policy: str = "fcfs"
     eviction_policy: str = "lru"

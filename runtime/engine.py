@@ -124,7 +124,7 @@ class Engine:
             host_bytes=int(config.host_kv_gb * 2**30),
             disk_dir=config.disk_kv_dir,
             disk_bytes=int(config.disk_kv_gb * 2**30),
-            write_through=config.kv_write_policy == "write_through",
+            write_policy=config.kv_write_policy,
         )
 
     def _weights_identity(self) -> str:

@@ -512,3 +512,15 @@ def test_a_passing_write_error_loses_one_chunk_not_the_disk_tier(tmp_path, monke
     assert stats["kv_disk_write_errors_total"] == 1 and stats["kv_disk_writable"] == 1
     assert stats["kv_disk_writes_total"] == num_calls - 1 > 0
     assert len(calls) == num_calls + 1  # close() wrote the lost chunk
+
+
+def test_write_through_selective_copies_a_prefix_down_at_its_second_hit(tmp_path):
+    ids = long_prompt(90)
+    policy = {"disk_kv_dir": str(tmp_path), "kv_write_policy": "write_through_selective"}
+    with Engine(config(**policy)) as engine:
+        on_disk = []
+        for _ in range(3):  # computed, then a first and a second cache hit
+            generate(engine, ids)
+            engine.tiers.drain()
+            on_disk.append(sum(path.is_file() for path in chunk_files(engine, ids)))
+    assert on_disk == [0, 0, 12]

@@ -56,6 +56,7 @@ class TreeNode:
         "version",
         "future",
         "future_base",
+        "reads",
     )
 
     def __init__(
@@ -82,6 +83,7 @@ class TreeNode:
         self.version = 0  # bumped when a match ending here could now go further (see _bump)
         self.future: tuple | None = None  # "graph" policy: known NextUse (set_future)
         self.future_base: tuple | None = None  # ... and what it falls back to when refreshed
+        self.reads = 0  # admissions whose cache hit ended exactly here (note_read)
 
     def __repr__(self) -> str:
         head = ",".join(map(str, self.key[:6])) + ("..." if len(self.key) > 6 else "")
@@ -312,6 +314,14 @@ class RadixCache:
                 self._candidates.add(parent)  # a dead branch cascades within this call
         self._release(victims)
         return num_evicted
+
+    def note_read(self, position: TreePosition) -> int:
+        """An admission's cache hit ended at (locked) `position`: count it; returns how many
+        admissions read this exact prefix so far (a hotness signal; locks count re-locks by
+        the same request too)."""
+        node = self._node_at(position, split=False)
+        node.reads += 1
+        return node.reads
 
     def resolve(self, position: TreePosition) -> TreeNode:
         """The node a (locked, or otherwise split) position ends at exactly."""
@@ -581,6 +591,7 @@ class RadixCache:
         )
         upper.creation_time = node.creation_time
         upper.hit_count = node.hit_count
+        upper.reads = node.reads
         upper.lock_ref = node.lock_ref
         unlocked = node.lock_ref == 0
         if unlocked and self.policy.wanted(node):

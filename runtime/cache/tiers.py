@@ -178,13 +178,13 @@ class KVTiers:
         host_bytes: int = 0,
         disk_dir: str | Path | None = None,
         disk_bytes: int = 0,
-        write_through: bool = False,
+        write_policy: str = "write_back",
     ) -> None:
         self.pool = pool
         self.layout = layout
         self.chunk_tokens = layout.chunk_tokens
         self.fingerprint = layout.fingerprint
-        self.write_through = write_through
+        self.write_policy = write_policy  # config.KV_WRITE_POLICIES
         host_chunks = host_bytes // layout.chunk_nbytes
         self.host = (
             HostTier(layout, host_chunks, pool.device.type == "cuda") if host_chunks else None
@@ -531,7 +531,7 @@ class KVTiers:
                 f"disk {self.disk.dir.parent} (up to {self.disk.capacity_bytes / 2**30:g} "
                 f"GiB, {found:,} tokens there at start{state})"
             )
-        policy = "write-through" if self.write_through else "write-back"
+        policy = self.write_policy.replace("_", "-")
         return f"{'; '.join(parts)}; {policy}, {self.chunk_tokens}-token chunks"
 
     def stats(self) -> dict[str, float]:

@@ -44,6 +44,7 @@ from runtime.config import EngineConfig
 from runtime.scheduler.request import Req, ReqStatus
 
 PREFETCH_QUEUE_DEPTH = 16  # waiting requests, in admission order, whose disk chunks are prefetched
+HOT_READS = 2  # write_through_selective: a prefix is copied down at its second cache hit
 PREFETCH_LEAD_S = 2.0  # a branch that declared its return is prefetched this long before it
 
 
@@ -179,11 +180,20 @@ class KVManager:
             req.slots = self.cache.slot_indices(position).clone()
         req.num_computed = req.num_locked = cached
         if self.tiers is not None:
+            if cached and self.tiers.write_policy == "write_through_selective":
+                self._back_up_if_hot(req, position)
             self._load_below(req)
         self.marks.mark_access(req.namespace, req.all_ids, req.match_limit)
         if self.trace is not None:
             self.trace.append(("access", req.namespace, tuple(req.all_ids), req.match_limit))
         return cached
+
+    def _back_up_if_hot(self, req: Req, position: TreePosition) -> None:
+        """write_through_selective: a prefix that admissions read again and again is hot:
+        copy it down now, not only when it is evicted."""
+        if self.cache.note_read(position) == HOT_READS:
+            ids = req.tokens(0, req.num_locked)
+            self.tiers.store(req.namespace, ids, 0, req.slots, req.chunk_names)
 
     def _load_below(self, req: Req) -> None:
         """Continue a request's device match from the lower tiers: fresh slots, a copy, an
@@ -244,7 +254,7 @@ class KVManager:
             self.cache.unlock(req.lock_pos)
         req.slots[:held] = done.indices
         req.lock_pos = done.position
-        if self.tiers is not None and self.tiers.write_through:
+        if self.tiers is not None and self.tiers.write_policy == "write_through":
             self.tiers.store(
                 req.namespace, ids[:held], req.num_locked, req.slots[:held], req.chunk_names
             )
