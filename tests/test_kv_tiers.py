@@ -94,11 +94,7 @@ def test_outputs_are_unchanged_and_evicted_kv_is_loaded_not_computed(no_tiers, s
         assert run_rounds(engine) == outputs
         tiered = engine.stats()
     loaded = tiered["kv_loaded_host_tokens_total"] + tiered["kv_loaded_disk_tokens_total"]
-    assert stats["evicted_tokens_total"] > 0
-    if settings.get("kv_write_policy") == "write_through":  # already below: eviction copies none
-        assert tiered["kv_demoted_tokens_total"] == 0
-    else:
-        assert tiered["kv_demoted_tokens_total"] > 0
+    assert stats["evicted_tokens_total"] > 0 and tiered["kv_demoted_tokens_total"] > 0
     assert loaded > 0
     # every loaded token is one not computed again (the partial chunk at a path's end is)
     assert tiered["prefill_tokens_total"] <= stats["prefill_tokens_total"] - loaded // 2
@@ -108,15 +104,16 @@ def test_outputs_are_unchanged_and_evicted_kv_is_loaded_not_computed(no_tiers, s
         assert tiered["kv_loaded_host_tokens_total"] == 0
 
 
-def test_with_enough_host_memory_a_quarter_pool_computes_the_lower_bound():
-    """page 16 (= one chunk): L1 at a quarter of the working set, L2 holding all of it,
-    computes exactly what an unconstrained pool does."""
-    with Engine(config(max_kv_tokens=4096, page_size=16)) as engine:
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_with_enough_host_memory_a_quarter_pool_computes_the_lower_bound(page_size):
+    """L1 at a quarter of the working set, L2 holding all of it, computes exactly what an
+    unconstrained pool does (page 1: a path's partial last chunk is kept too)."""
+    with Engine(config(max_kv_tokens=4096, page_size=page_size)) as engine:
         unconstrained = run_rounds(engine), engine.stats()
     working_set = unconstrained[1]["kv_slots_peak"]
     small = max(256, working_set // 4 // 16 * 16)  # the longest request must still fit
     assert small < working_set / 2
-    with Engine(config(max_kv_tokens=small, page_size=16, host_kv_gb=0.05)) as engine:
+    with Engine(config(max_kv_tokens=small, page_size=page_size, host_kv_gb=0.05)) as engine:
         outputs = run_rounds(engine)
         stats = engine.stats()
     assert outputs == unconstrained[0]
@@ -391,10 +388,12 @@ def test_kv_events_name_the_lower_tiers_chunks(tmp_path):
         mirror.apply_all(events)
         late = engine.subscribe_kv_events().snapshot
         names = [n.hex() for n in engine.tiers.names(None, ids, len(ids))]
+        tiers = engine.tiers
+        in_host = {n.hex() for n, _ in tiers.host.items() if n not in tiers._tail_of}
     lower = [e for e in events if e.medium != "device"]
     assert {e.medium for e in lower} == {"host", "disk"} and all(e.chunks for e in lower)
     assert mirror.lower["host"] | mirror.lower["disk"] >= set(names)
-    assert len(mirror.lower["host"]) == 8
+    assert mirror.lower["host"] == in_host and len(in_host) >= 7  # a partial chunk: no events
     snapshot_lower = {e.medium: set(e.chunks) for e in late.stored if e.medium != "device"}
     assert snapshot_lower == {"host": mirror.lower["host"], "disk": mirror.lower["disk"]}
     assert KVEvent_round_trip(lower[0])
@@ -411,9 +410,10 @@ def test_the_cache_picture_shows_what_lies_below(tmp_path):
         generate(engine, long_prompt(50))
         engine.flush_cache()
         view = engine.cache_view()
-    assert (view.total_tokens, view.host_tokens, view.disk_tokens) == (0, 192, 0)
-    assert "below: host 192, disk 0 tokens" in view.to_svg()
-    assert view.to_dict()["host_tokens"] == 192
+    # 200 prompt tokens and 7 of the 8 generated (the last has no KV): 12 chunks and 15 more
+    assert (view.total_tokens, view.host_tokens, view.disk_tokens) == (0, 207, 0)
+    assert "below: host 207, disk 0 tokens" in view.to_svg()
+    assert view.to_dict()["host_tokens"] == 207
 
 
 def test_a_pin_loads_its_prefix_from_below_and_keeps_it_on_the_device():

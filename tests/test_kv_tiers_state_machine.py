@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from runtime.cache.allocator import SlotAllocator
-from runtime.cache.chunks import TierLayout
+from runtime.cache.chunks import TierLayout, root_name
 from runtime.cache.pool import KVPool
 from runtime.cache.radix import RadixCache
 from runtime.cache.tiers import KVTiers
@@ -77,6 +77,7 @@ class TierMachine(RuleBasedStateMachine):
         self.pool.write_rows(slots, k, -k)
 
     def remember_names(self, namespace, seq) -> None:
+        self.named[root_name(self.tiers.fingerprint, namespace)] = (namespace, ())
         names = self.tiers.names(namespace, seq, len(seq))
         for i, name in enumerate(names):
             self.named[name] = (namespace, seq[: (i + 1) * self.chunk])
@@ -182,6 +183,13 @@ class TierMachine(RuleBasedStateMachine):
             assert torch.equal(k, expected) and torch.equal(v, -expected), "wrong KV in L1"
         host = self.tiers.host
         for name, row in host.items():
+            if name in self.tiers._tail_of:  # a path's partial last chunk
+                prev, tokens = self.tiers._tail_of[name]
+                namespace, prefix = self.named[prev]
+                expected = self.expected_rows(namespace, prefix + tokens, len(prefix))
+                assert torch.equal(host.data[row][:, 0, : len(tokens)], expected), "tail KV"
+                assert torch.equal(host.data[row][:, 1, : len(tokens)], -expected), "tail KV"
+                continue
             namespace, prefix = self.named[name]
             start = len(prefix) - self.chunk
             expected = self.expected_rows(namespace, prefix, start)
@@ -234,19 +242,21 @@ def test_the_machine_loads_from_both_tiers():
 
 def test_a_load_starting_inside_a_chunk_copies_only_what_the_device_lacks():
     """page_size 1: eviction took a leaf's tail from mid-chunk; the chunk that straddles the
-    cut is demoted whole (its head read from the parent), and a later match that ends at the
-    cut loads only the chunk's tail."""
+    cut is demoted whole (its head read from the parent), the path's partial last chunk too,
+    and a later match that ends at the cut loads only what the device lacks."""
     machine = TierMachine()
     machine.setup(page_size=1, policy="lru")
     try:
         seq = BASES[2] + (3, 1) * 8  # 40 tokens: chunks [0, 16), [16, 32) and 8 more
         machine.insert(None, seq, keep_lock=False)
-        machine.evict(10)  # the tail from 30 on: chunk [16, 32) goes below, head still cached
+        machine.evict(10)  # from 30 on: chunk [16, 32) and the tail [32, 40) go below
         assert machine.cache.match_prefix(seq).prefix_len == 30
         extent = machine.tiers.extent(None, seq, 30, len(seq))
-        assert (extent.start, extent.end) == (30, 32)
+        assert (extent.start, extent.end, extent.tail_tokens) == (30, 40, 8)
+        assert machine.tiers.extent(None, seq, 30, 39).end == 39  # a tail's head serves too
+        assert machine.tiers.extent(None, seq[:37] + (9, 9, 9), 30, 40).end == 37
         machine.insert(None, seq, keep_lock=False)
-        assert machine.loaded == 2
+        assert machine.loaded == 10
         machine.consistent()
     finally:
         machine.teardown()

@@ -82,7 +82,7 @@ def chunk_names(
     num_chunks = min(num_chunks, len(ids) // chunk_tokens)
     if len(names) >= num_chunks:
         return names[:num_chunks]
-    prev = names[-1] if names else _root_name(layout_fingerprint, namespace)
+    prev = names[-1] if names else root_name(layout_fingerprint, namespace)
     for k in range(len(names), num_chunks):
         chunk = ids[k * chunk_tokens : (k + 1) * chunk_tokens]
         data = struct.pack(f"<{chunk_tokens}q", *chunk)
@@ -91,10 +91,18 @@ def chunk_names(
     return names
 
 
-def _root_name(layout_fingerprint: bytes, namespace: Hashable) -> bytes:
+def root_name(layout_fingerprint: bytes, namespace: Hashable) -> bytes:
+    """What the first chunk's name is chained from: the layout and the namespace."""
     return hashlib.blake2b(
         layout_fingerprint + repr(namespace).encode(), digest_size=NAME_BYTES
     ).digest()
+
+
+def tail_name(prev: bytes, tokens: Sequence[int]) -> bytes:
+    """The name of a path's last, partial chunk (`tokens`, fewer than a chunk) after the
+    chunk named `prev` (or the root name): never equal to a whole chunk's name."""
+    data = b"tail" + struct.pack(f"<{len(tokens)}q", *tokens)
+    return hashlib.blake2b(prev + data, digest_size=NAME_BYTES).digest()
 
 
 class TierView:

@@ -30,9 +30,10 @@ from pathlib import Path
 
 import torch
 
-from runtime.cache.chunks import TierLayout, TierView, chunk_names
+from runtime.cache.chunks import TierLayout, TierView, chunk_names, root_name, tail_name
 from runtime.cache.disk_tier import DiskTier
 from runtime.cache.pool import KVPool, lazy_zeros
+from runtime.prefix import common_prefix_len
 
 log = logging.getLogger("flowlang.kv_tiers")
 
@@ -127,26 +128,31 @@ class HostTier:
 @dataclass(frozen=True)
 class TierExtent:
     """How far the lower tiers continue a device match: chunks `first_chunk`.. named
-    `names`, in L2 (`in_host[i]`) or only in L3; `start` is where the device match ends."""
+    `names`, in L2 (`in_host[i]`) or only in L3, then maybe a partial chunk of
+    `tail_tokens` tokens in L2 (`tail`); `start` is where the device match ends."""
 
     start: int
     first_chunk: int
     names: tuple[bytes, ...]
     in_host: tuple[bool, ...]
     chunk_tokens: int
+    tail: bytes | None = None
+    tail_tokens: int = 0
 
     @property
     def end(self) -> int:
-        return (
-            (self.first_chunk + len(self.names)) * self.chunk_tokens if self.names else self.start
-        )
+        end = (self.first_chunk + len(self.names)) * self.chunk_tokens + self.tail_tokens
+        return max(end, self.start)
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
 
     def within(self, num_tokens: int) -> TierExtent:
-        """The longest head of this extent, in whole chunks, that is at most `num_tokens`."""
+        """The longest head of this extent, in whole chunks (and the tail if all of it
+        fits), that is at most `num_tokens`."""
+        if self.num_tokens <= num_tokens:
+            return self
         c = self.chunk_tokens
         num_chunks = min(len(self.names), (self.start + num_tokens) // c - self.first_chunk)
         num_chunks = max(0, num_chunks)
@@ -195,6 +201,10 @@ class KVTiers:
         self.counters = TierCounters()
         self.lock = threading.Lock()
         self._pending: dict[bytes, torch.Tensor] = {}  # queued L3 writes, readable meanwhile
+        # partial last chunks of evicted paths (L2 only): previous chunk's name -> {tokens:
+        # tail name}, and back; so a page-1 path loses nothing at its end
+        self._tails: dict[bytes, dict[tuple[int, ...], bytes]] = {}
+        self._tail_of: dict[bytes, tuple[bytes, tuple[int, ...]]] = {}
         self._writes: queue.Queue = queue.Queue(WRITE_QUEUE_CHUNKS)
         self._prefetches: queue.Queue = queue.Queue()
         self._prefetching: set[bytes] = set()
@@ -246,8 +256,26 @@ class KVTiers:
                     break
                 found.append(name)
                 in_host.append(here)
-        extent = TierExtent(start, first, tuple(found), tuple(in_host), c)
+            tail, tail_tokens = self._tail_after(namespace, ids, names, first + len(found), limit)
+        extent = TierExtent(start, first, tuple(found), tuple(in_host), c, tail, tail_tokens)
         return extent if extent.end > start else TierExtent(start, first, (), (), c)
+
+    def _tail_after(
+        self, namespace: Hashable, ids: Sequence[int], names: list[bytes], k: int, limit: int
+    ) -> tuple[bytes | None, int]:
+        """The partial chunk held for chunk `k` that shares most of `ids` up to `limit`, and
+        how many tokens (whole pages) of it do: any head of a chunk's KV is valid for every
+        sequence that shares the head."""
+        prev = names[k - 1] if k else root_name(self.fingerprint, namespace)
+        base = k * self.chunk_tokens
+        window = tuple(ids[base : min(limit, base + self.chunk_tokens)])
+        best, best_len = None, 0
+        for tokens, name in self._tails.get(prev, {}).items():
+            shared = common_prefix_len(tokens, window)
+            shared -= shared % self.layout.page_size
+            if shared > best_len:
+                best, best_len = name, shared
+        return best, best_len
 
     # ------------------------------------------------------------------ down
     def demote(
@@ -279,8 +307,6 @@ class KVTiers:
         c = self.chunk_tokens
         names = self.names(namespace, ids, len(ids), memo)
         first = start // c
-        if first >= len(names):
-            return
         with self.lock:
             new = []  # (chunk, into L2, into L3)
             for k in range(first, len(names)):
@@ -303,13 +329,41 @@ class KVTiers:
                         self._put_host(names[k], data)
                     if into_disk:
                         self._queue_write(names[k], data.clone())
+            if count and self.host is not None and len(ids) % c:
+                self._store_tail(namespace, ids, names, slots)
             if self.host is not None:
                 self.host.touch(names[first:])
         if count:
             self.counters.demoted_tokens += len(new) * c
 
+    def _store_tail(self, namespace, ids, names: list[bytes], slots: torch.Tensor) -> None:
+        """Keep the path's last, partial chunk in L2 (an evicted conversation's last turn
+        rarely ends on a chunk boundary)."""
+        c = self.chunk_tokens
+        k = len(ids) // c
+        prev = names[k - 1] if k else root_name(self.fingerprint, namespace)
+        tokens = tuple(ids[k * c :])
+        if any(held[: len(tokens)] == tokens for held in self._tails.get(prev, {})):
+            return  # held already, maybe within a longer one (leaf-first: a child's went first)
+        name = tail_name(prev, tokens)
+        k_rows, v_rows = self.pool.read_rows(slots[k * c : len(ids)])
+        data = self.host.data[0].new_zeros(self.host.data.shape[1:])  # (layers, 2, c, h, d)
+        data[:, 0, : len(tokens)] = k_rows.to("cpu")
+        data[:, 1, : len(tokens)] = v_rows.to("cpu")
+        self._tails.setdefault(prev, {})[tokens] = name
+        self._tail_of[name] = (prev, tokens)
+        self._put_host(name, data)
+        self.counters.demoted_tokens += len(tokens)
+
     def _spill(self, name: bytes, row: int) -> None:
-        """An L2 row is reused: its chunk goes to L3 unless it is there (write-back)."""
+        """An L2 row is reused: its chunk goes to L3 unless it is there (write-back); a
+        partial chunk is only forgotten."""
+        if name in self._tail_of:
+            prev, tokens = self._tail_of.pop(name)
+            del self._tails[prev][tokens]
+            if not self._tails[prev]:
+                del self._tails[prev]
+            return
         if self.disk is not None and not (name in self._pending or self.disk.contains(name)):
             self._queue_write(name, self.host.data[row].clone())
 
@@ -340,7 +394,7 @@ class KVTiers:
                     written += self.disk.write(name, torch.stack([k_rows, v_rows], 1).cpu())
         if self.host is not None:
             with self.lock:
-                rows = list(self.host.items())
+                rows = [(n, row) for n, row in self.host.items() if n not in self._tail_of]
             for name, row in rows:
                 if self.disk.writable and not self.disk.contains(name):
                     with self.lock:
@@ -360,8 +414,9 @@ class KVTiers:
 
     def _load(self, extent: TierExtent, slots: torch.Tensor) -> int:
         started = time.perf_counter()
-        skip = extent.start - extent.first_chunk * self.chunk_tokens
-        parts: list[torch.Tensor] = []
+        c = self.chunk_tokens
+        skip = extent.start - extent.first_chunk * c
+        parts: list[torch.Tensor] = []  # (layers, 2, tokens, heads, dim) each
         from_host: list[bool] = []
         for name in extent.names:
             with self.lock:
@@ -376,15 +431,25 @@ class KVTiers:
                     break  # a bad file: what follows it is computed
             parts.append(data)
             from_host.append(here)
+        read = list(extent.names[: len(parts)])
+        if extent.tail is not None and len(parts) == len(extent.names):
+            with self.lock:
+                row = self.host.row(extent.tail)
+                if row is not None:  # still held: a partial chunk, in L2 only
+                    parts.append(self.host.data[row][:, :, : extent.tail_tokens].clone())
+                    from_host.append(True)
+                    read.append(extent.tail)
         if not parts:
             return 0
         chunks = torch.cat(parts, 2)[:, :, skip:]  # (layers, 2, tokens, heads, dim)
         loaded = chunks.shape[2]
+        if loaded <= 0:
+            return 0
         self.pool.write_rows(slots[:loaded], chunks[:, 0], chunks[:, 1])
         if self.host is not None:
             with self.lock:
-                self.host.touch(extent.names[: len(parts)])
-        sizes = [self.chunk_tokens] * len(parts)
+                self.host.touch(read)
+        sizes = [part.shape[2] for part in parts]
         sizes[0] -= skip
         host = sum(n for n, h in zip(sizes, from_host, strict=True) if h)
         self.counters.loaded_host_tokens += host
@@ -419,10 +484,12 @@ class KVTiers:
             return
         row, displaced = self.host.take(name)
         if displaced is not None:
+            if displaced[0] not in self._tail_of:  # partial chunks have no events
+                self._note("removed", "host", displaced[0])
             self._spill(*displaced)
-            self._note("removed", "host", displaced[0])
         self.host.data[row].copy_(data)
-        self._note("stored", "host", name)
+        if name not in self._tail_of:
+            self._note("stored", "host", name)
 
     # ------------------------------------------------------------------ events
     def _note(self, kind: str, medium: str, name: bytes) -> None:
@@ -445,7 +512,8 @@ class KVTiers:
         changes not yet flushed are in it already."""
         with self.lock, self._events_lock:
             self._events.clear()
-            host = [name for name, _ in self.host.items()] if self.host is not None else []
+            host = [n for n, _ in self.host.items()] if self.host is not None else []
+            host = [n for n in host if n not in self._tail_of]  # partial chunks: no events
             disk = self.disk.names() if self.disk is not None else []
         return [("host", tuple(n.hex() for n in host)), ("disk", tuple(n.hex() for n in disk))]
 
@@ -534,6 +602,12 @@ class KVTiers:
         policy = self.write_policy.replace("_", "-")
         return f"{'; '.join(parts)}; {policy}, {self.chunk_tokens}-token chunks"
 
+    def _host_tokens(self) -> int:
+        if self.host is None:
+            return 0
+        short = sum(self.chunk_tokens - len(tokens) for _, tokens in self._tail_of.values())
+        return len(self.host) * self.chunk_tokens - short
+
     def stats(self) -> dict[str, float]:
         c = self.counters
         return {
@@ -547,7 +621,7 @@ class KVTiers:
             "kv_host_held_tokens": self.host.num_held * self.chunk_tokens
             if self.host is not None
             else 0,
-            "kv_host_tokens": len(self.host) * self.chunk_tokens if self.host is not None else 0,
+            "kv_host_tokens": self._host_tokens(),
             "kv_host_capacity_tokens": (
                 self.host.capacity_chunks * self.chunk_tokens if self.host is not None else 0
             ),
@@ -566,3 +640,8 @@ class KVTiers:
         with self.lock:
             if self.host is not None:
                 self.host.check_integrity()
+            indexed = {name for tails in self._tails.values() for name in tails.values()}
+            assert indexed == set(self._tail_of), "the partial-chunk index drifted"
+            for name, (prev, tokens) in self._tail_of.items():
+                assert name in self.host, "a partial chunk left L2 but not its index"
+                assert self._tails[prev][tokens] == name and 0 < len(tokens) < self.chunk_tokens
