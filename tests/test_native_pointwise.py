@@ -75,7 +75,9 @@ def assert_close_in_dtype(got: torch.Tensor, want: torch.Tensor) -> None:
     else:
         # two bf16 steps: an intermediate on a rounding midpoint flips, then is rounded again
         assert (diff <= 2**-6 * want.float().abs() + 1e-30).all()
-        assert (got != want).float().mean().item() < 0.01
+        # values under 1e-30 (silu of a very negative gate) may underflow to 0 in the native
+        # exponential: within the absolute floor above, and not a rounding flip
+        assert ((got != want) & (diff > 1e-30)).float().mean().item() < 0.01
 
 
 @settings(max_examples=30, deadline=None)
