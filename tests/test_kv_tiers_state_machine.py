@@ -187,14 +187,14 @@ class TierMachine(RuleBasedStateMachine):
                 prev, tokens = self.tiers._tail_of[name]
                 namespace, prefix = self.named[prev]
                 expected = self.expected_rows(namespace, prefix + tokens, len(prefix))
-                assert torch.equal(host.data[row][:, 0, : len(tokens)], expected), "tail KV"
-                assert torch.equal(host.data[row][:, 1, : len(tokens)], -expected), "tail KV"
+                assert torch.equal(host.data[row][0, :, : len(tokens)], expected), "tail KV"
+                assert torch.equal(host.data[row][1, :, : len(tokens)], -expected), "tail KV"
                 continue
             namespace, prefix = self.named[name]
             start = len(prefix) - self.chunk
             expected = self.expected_rows(namespace, prefix, start)
-            assert torch.equal(host.data[row][:, 0], expected), "wrong KV in L2"
-            assert torch.equal(host.data[row][:, 1], -expected), "wrong KV in L2"
+            assert torch.equal(host.data[row][0], expected), "wrong KV in L2"
+            assert torch.equal(host.data[row][1], -expected), "wrong KV in L2"
 
     @invariant()
     def disk_never_wrong(self):
@@ -208,7 +208,7 @@ class TierMachine(RuleBasedStateMachine):
                 continue
             namespace, prefix = self.named[name]
             expected = self.expected_rows(namespace, prefix, len(prefix) - self.chunk)
-            assert torch.equal(chunk[:, 0], expected) and torch.equal(chunk[:, 1], -expected)
+            assert torch.equal(chunk[0], expected) and torch.equal(chunk[1], -expected)
 
 
 TestTierMachine = TierMachine.TestCase

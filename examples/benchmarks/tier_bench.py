@@ -284,6 +284,59 @@ def print_restarts(restarts: list[tuple]) -> None:
         )
 
 
+def copy_rates(model: str, num_tokens: int = 16_384, repeats: int = 3) -> None:
+    """The copies alone, for `model`'s KV layout (no forward pass): demote `num_tokens` from
+    the pool to host memory (the tree's eviction), load them back (admission), and the
+    model's prefill rate on one 512-token prompt, the cost a load replaces. Medians."""
+    import torch
+
+    from runtime.cache.tiers import KVTiers, TierExtent
+
+    with eviction_cells.cell_engine(model, None, num_tokens + 1024, "lru") as engine:
+        pool, layout = engine.runner.pool, engine.tiers.layout if engine.tiers else None
+        prompt = list(range(100, 612))
+        sampling = {"max_new_tokens": 1, "temperature": 0.0}
+        prefill_s = []
+        for _ in range(repeats):
+            engine.flush_cache()
+            start = time.perf_counter()
+            engine.generate(GenerateRequest(input_ids=prompt, sampling=sampling))
+            prefill_s.append(time.perf_counter() - start)
+        from runtime.cache.chunks import TierLayout
+
+        layout = layout or TierLayout(
+            model, pool.num_layers, pool.k[0].shape[1], pool.k[0].shape[2], pool.dtype, 1
+        )
+        tiers = KVTiers(pool, layout, host_bytes=(num_tokens // 16 + 8) * layout.chunk_nbytes)
+        ids = list(range(num_tokens))
+        slots = torch.arange(num_tokens)
+        names = tuple(tiers.names(None, ids, num_tokens))
+        demote_s, load_s = [], []
+        for _ in range(repeats):
+            tiers = KVTiers(pool, layout, host_bytes=(num_tokens // 16 + 8) * layout.chunk_nbytes)
+            start = time.perf_counter()
+            tiers.demote(None, tuple(ids), 0, slots)
+            demote_s.append(time.perf_counter() - start)
+            extent = TierExtent(0, 0, names, (True,) * len(names), layout.chunk_tokens)
+            start = time.perf_counter()
+            assert tiers.load(extent, slots) == num_tokens
+            load_s.append(time.perf_counter() - start)
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    kib = layout.chunk_nbytes / layout.chunk_tokens / 1024
+    print(
+        f"\ncopies alone: {model}, {pool.dtype}, {kib:.0f} KiB of KV per token, "
+        f"{num_tokens:,} tokens, median of {repeats}\n"
+    )
+    print("| what | tok/s | GB/s |\n| --- | ---: | ---: |")
+    for what, tokens, seconds in (
+        ("demote (pool to host memory)", num_tokens, median(demote_s)),
+        ("load (host memory to pool)", num_tokens, median(load_s)),
+        ("prefill, 512-token prompt (what a load replaces)", len(prompt), median(prefill_s)),
+    ):
+        rate = tokens / seconds
+        print(f"| {what} | {rate:,.0f} | {rate * kib * 1024 / 1e9:.2f} |")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help=f"default {DEFAULTS['model']}")
@@ -296,6 +349,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--w6-convs", type=int, help="W6 conversations (4 turns)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per cell (median wall)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: " + str(QUICK))
+    parser.add_argument(
+        "--copy-rates", action="store_true", help="only the copy rates (no workload)"
+    )
     args = parser.parse_args()
     for key, value in {**DEFAULTS, **(QUICK if args.quick else {})}.items():
         if getattr(args, key) is None:
@@ -321,6 +377,9 @@ def main() -> None:
         f"think times told, jitter {THINK_JITTER}); policies {', '.join(args.policies)}; wall: "
         f"median of {args.repeats}"
     )
+    if args.copy_rates:
+        copy_rates(args.model)
+        return
     bench(args)
 
 

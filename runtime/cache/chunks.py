@@ -37,8 +37,9 @@ class TierLayout:
 
     @property
     def chunk_shape(self) -> tuple[int, ...]:
-        # (layers, K|V, tokens, kv heads, head dim)
-        return (self.num_layers, 2, self.chunk_tokens, self.num_kv_heads, self.head_dim)
+        # (K|V, layers, tokens, kv heads, head dim): a chunk's K (or V) for every layer is one
+        # block that a gather from the pool writes directly
+        return (2, self.num_layers, self.chunk_tokens, self.num_kv_heads, self.head_dim)
 
     @property
     def chunk_nbytes(self) -> int:

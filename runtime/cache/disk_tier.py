@@ -24,7 +24,7 @@ from runtime.cache.chunks import NAME_BYTES, TierLayout, chunk_file
 
 log = logging.getLogger("flowlang.kv_tiers")
 
-_MAGIC = b"FLKVCHK1"
+_MAGIC = b"FLKVCHK2"  # 2: (K|V, layers, tokens, heads, dim) chunks
 # write errors that would recur: writing stops (others, such as a temporary file another
 # engine sharing the directory removed, lose that one chunk)
 _LASTING_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO}

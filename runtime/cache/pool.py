@@ -74,6 +74,17 @@ class KVPool:
         idx = slot_idx.to(self.device)
         return self._k.index_select(1, idx), self._v.index_select(1, idx)
 
+    def read_rows_into(self, slot_idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`read_rows` into `k` and `v` (num_layers, n, num_kv_heads, head_dim), contiguous
+        (a host tier's row): one gather each on CPU."""
+        idx = slot_idx.to(self.device)
+        if self.device.type == "cpu":
+            torch.index_select(self._k, 1, idx, out=k)
+            torch.index_select(self._v, 1, idx, out=v)
+        else:
+            k.copy_(self._k.index_select(1, idx))
+            v.copy_(self._v.index_select(1, idx))
+
     def write_rows(self, slot_idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store every layer's K/V rows (num_layers, n, num_kv_heads, head_dim) at `slot_idx`
         (n,): KV loaded from a lower tier instead of computed."""

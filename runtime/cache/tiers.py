@@ -319,16 +319,16 @@ class KVTiers:
                 )
                 if into_host or into_disk:
                     new.append((k, into_host, into_disk))
-            if new:
-                idx = torch.cat([slots[k * c : (k + 1) * c] for k, _, _ in new])
-                k_rows, v_rows = self.pool.read_rows(idx)  # (layers, n, heads, dim) each
-                chunks = torch.stack([k_rows, v_rows], 1).to("cpu")  # (layers, 2, n, heads, dim)
-                for i, (k, into_host, into_disk) in enumerate(new):
-                    data = chunks[:, :, i * c : (i + 1) * c]
-                    if into_host:
-                        self._put_host(names[k], data)
-                    if into_disk:
-                        self._queue_write(names[k], data.clone())
+            for k, into_host, into_disk in new:
+                chunk_slots = slots[k * c : (k + 1) * c]
+                if into_host:  # gathered straight into its row
+                    row = self._take_row(names[k])
+                    self.pool.read_rows_into(chunk_slots, *self.host.data[row].unbind(0))
+                    data = self.host.data[row].clone() if into_disk else None
+                else:
+                    data = torch.stack(self.pool.read_rows(chunk_slots)).cpu()
+                if into_disk:  # its own (2, layers, c, heads, dim) copy, for the writer
+                    self._queue_write(names[k], data)
             if count and self.host is not None and len(ids) % c:
                 self._store_tail(namespace, ids, names, slots)
             if self.host is not None:
@@ -346,13 +346,11 @@ class KVTiers:
         if any(held[: len(tokens)] == tokens for held in self._tails.get(prev, {})):
             return  # held already, maybe within a longer one (leaf-first: a child's went first)
         name = tail_name(prev, tokens)
-        k_rows, v_rows = self.pool.read_rows(slots[k * c : len(ids)])
-        data = self.host.data[0].new_zeros(self.host.data.shape[1:])  # (layers, 2, c, h, d)
-        data[:, 0, : len(tokens)] = k_rows.to("cpu")
-        data[:, 1, : len(tokens)] = v_rows.to("cpu")
         self._tails.setdefault(prev, {})[tokens] = name
         self._tail_of[name] = (prev, tokens)
-        self._put_host(name, data)
+        row = self._take_row(name)
+        k_rows, v_rows = self.host.data[row, :, :, : len(tokens)].unbind(0)
+        self.pool.read_rows_into(slots[k * c : len(ids)], k_rows, v_rows)
         self.counters.demoted_tokens += len(tokens)
 
     def _spill(self, name: bytes, row: int) -> None:
@@ -391,7 +389,7 @@ class KVTiers:
             for k, name in enumerate(self.names(namespace, path, len(path))):
                 if self.disk.writable and not self.disk.contains(name):
                     k_rows, v_rows = self.pool.read_rows(slots[k * c : (k + 1) * c])
-                    written += self.disk.write(name, torch.stack([k_rows, v_rows], 1).cpu())
+                    written += self.disk.write(name, torch.stack([k_rows, v_rows]).cpu())
         if self.host is not None:
             with self.lock:
                 rows = [(n, row) for n, row in self.host.items() if n not in self._tail_of]
@@ -413,47 +411,41 @@ class KVTiers:
             return 0
 
     def _load(self, extent: TierExtent, slots: torch.Tensor) -> int:
+        """Chunk by chunk, straight from a host row (under the lock, so it is not reused
+        meanwhile) or from a file into the pool: one copy per chunk."""
         started = time.perf_counter()
         c = self.chunk_tokens
-        skip = extent.start - extent.first_chunk * c
-        parts: list[torch.Tensor] = []  # (layers, 2, tokens, heads, dim) each
-        from_host: list[bool] = []
-        for name in extent.names:
+        items = [(name, c) for name in extent.names]
+        if extent.tail is not None:
+            items.append((extent.tail, extent.tail_tokens))
+        loaded = from_host = 0
+        read = []
+        for k, (name, size) in enumerate(items):
+            skip = max(0, extent.start - (extent.first_chunk + k) * c)  # the device has those
+            target = slots[loaded : loaded + size - skip]
             with self.lock:
                 row = self.host.row(name) if self.host is not None else None
-                data = self.host.data[row].clone() if row is not None else self._pending.get(name)
-            here = row is not None  # a chunk still queued for its file counts as L3's
-            if data is None:  # not copied into L2 on the way: that would push out the rest
-                read_started = time.perf_counter()
-                data = self.disk.read(name) if self.disk is not None else None
-                self.counters.disk_read_seconds += time.perf_counter() - read_started
-                if data is None:
-                    break  # a bad file: what follows it is computed
-            parts.append(data)
-            from_host.append(here)
-        read = list(extent.names[: len(parts)])
-        if extent.tail is not None and len(parts) == len(extent.names):
-            with self.lock:
-                row = self.host.row(extent.tail)
-                if row is not None:  # still held: a partial chunk, in L2 only
-                    parts.append(self.host.data[row][:, :, : extent.tail_tokens].clone())
-                    from_host.append(True)
-                    read.append(extent.tail)
-        if not parts:
-            return 0
-        chunks = torch.cat(parts, 2)[:, :, skip:]  # (layers, 2, tokens, heads, dim)
-        loaded = chunks.shape[2]
-        if loaded <= 0:
-            return 0
-        self.pool.write_rows(slots[:loaded], chunks[:, 0], chunks[:, 1])
-        if self.host is not None:
+                if row is not None:
+                    chunk = self.host.data[row]  # (2, layers, c, heads, dim)
+                    self.pool.write_rows(target, chunk[0, :, skip:size], chunk[1, :, skip:size])
+                    from_host += size - skip
+                else:
+                    chunk = self._pending.get(name)
+            if row is None:
+                if chunk is None and name != extent.tail:
+                    read_started = time.perf_counter()
+                    chunk = self.disk.read(name) if self.disk is not None else None
+                    self.counters.disk_read_seconds += time.perf_counter() - read_started
+                if chunk is None:
+                    break  # a bad file, or a partial chunk pushed out: the rest is computed
+                self.pool.write_rows(target, chunk[0, :, skip:size], chunk[1, :, skip:size])
+            loaded += size - skip
+            read.append(name)
+        if self.host is not None and read:
             with self.lock:
                 self.host.touch(read)
-        sizes = [part.shape[2] for part in parts]
-        sizes[0] -= skip
-        host = sum(n for n, h in zip(sizes, from_host, strict=True) if h)
-        self.counters.loaded_host_tokens += host
-        self.counters.loaded_disk_tokens += loaded - host
+        self.counters.loaded_host_tokens += from_host
+        self.counters.loaded_disk_tokens += loaded - from_host
         self.counters.load_seconds += time.perf_counter() - started
         return loaded
 
@@ -480,16 +472,20 @@ class KVTiers:
         return len(names)
 
     def _put_host(self, name: bytes, data: torch.Tensor) -> None:
-        if name in self.host:
-            return
+        """Copy a chunk (2, layers, c, heads, dim) into an L2 row, unless it is there."""
+        if name not in self.host:
+            self.host.data[self._take_row(name)].copy_(data)
+
+    def _take_row(self, name: bytes) -> int:
+        """An L2 row for `name` (not there yet), its previous chunk spilled to L3 first."""
         row, displaced = self.host.take(name)
         if displaced is not None:
             if displaced[0] not in self._tail_of:  # partial chunks have no events
                 self._note("removed", "host", displaced[0])
             self._spill(*displaced)
-        self.host.data[row].copy_(data)
         if name not in self._tail_of:
             self._note("stored", "host", name)
+        return row
 
     # ------------------------------------------------------------------ events
     def _note(self, kind: str, medium: str, name: bytes) -> None:
