@@ -4,6 +4,7 @@
     python examples/benchmarks/tier_bench.py [--quick] [--model M] [--workloads W1,W6]
         [--shares 0.25,0.5] [--configs a,b,c,d] [--orders rounds,interleaved]
         [--policies lru,graph] [--w1-users 64] [--w6-convs 32] [--repeats 1]
+    python examples/benchmarks/tier_bench.py --copy-rates [--model M]   # the copies alone
 
 W1 (support agent) and W6 (multi-turn chat) run through their programs (eviction_cells.py,
 arrivals.py) with the L1 pool at each share of the workload's working set, under each eviction
