@@ -379,14 +379,18 @@ class KVTiers:
     def persist(self, paths: Iterable[tuple[Hashable, Sequence[int], torch.Tensor]]) -> int:
         """Write every whole chunk of the given (namespace, path, slots) and every L2 chunk
         that is not on disk yet, here and now (a clean shutdown: a restart on the same
-        directory starts warm; the write queue would drop what does not fit). Returns how
+        directory starts warm; the write queue would drop what does not fit), at most what
+        the disk tier holds (more would only push out what was just written). Returns how
         many chunks were written."""
         if self.disk is None:
             return 0
         self.drain()
         c, written = self.chunk_tokens, 0
+        room = self.disk.capacity_bytes // self.disk.file_nbytes
         for namespace, path, slots in paths:
             for k, name in enumerate(self.names(namespace, path, len(path))):
+                if written >= room:
+                    return written
                 if self.disk.writable and not self.disk.contains(name):
                     k_rows, v_rows = self.pool.read_rows(slots[k * c : (k + 1) * c])
                     written += self.disk.write(name, torch.stack([k_rows, v_rows]).cpu())
@@ -394,7 +398,7 @@ class KVTiers:
             with self.lock:
                 rows = [(n, row) for n, row in self.host.items() if n not in self._tail_of]
             for name, row in rows:
-                if self.disk.writable and not self.disk.contains(name):
+                if written < room and self.disk.writable and not self.disk.contains(name):
                     with self.lock:
                         data = self.host.data[row].clone()
                     written += self.disk.write(name, data)
