@@ -25,6 +25,7 @@ from test_eviction_engine import NUM_TURNS, NUM_USERS, POOL_TOKENS, REPLY_LEN, c
 
 from runtime.cache import tiers as tiers_module
 from runtime.cache.disk_tier import DiskTier
+from runtime.cache.events import KVEvent
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.protocol import GenerateRequest, GraphHints, SamplingParams
@@ -43,7 +44,7 @@ def run_rounds(engine: Engine) -> list:
     """Every user's turn t together, then turn t + 1 (each turn extends the conversation)."""
     history = [[] for _ in range(NUM_USERS)]
     outputs = []
-    for turn, _ in enumerate(range(NUM_TURNS)):
+    for turn in range(NUM_TURNS):
         requests = []
         for user, messages in enumerate(conversations()):
             history[user] = history[user] + messages[turn]
@@ -317,7 +318,6 @@ def test_the_router_prices_lower_tiers_as_cheap_to_load(tmp_path):
     replica's host memory, as its KV events say) holds the prompt, the idle replica loads it
     for a tenth of the cost of computing it, and gets the request."""
     from runtime.cache.chunks import TierView, chunk_file
-    from runtime.cache.events import KVEvent
     from runtime.cluster.policy import RouterConfig, choose_cache_aware
     from runtime.cluster.router import Router
 
@@ -396,13 +396,7 @@ def test_kv_events_name_the_lower_tiers_chunks(tmp_path):
     assert mirror.lower["host"] == in_host and len(in_host) >= 7  # a partial chunk: no events
     snapshot_lower = {e.medium: set(e.chunks) for e in late.stored if e.medium != "device"}
     assert snapshot_lower == {"host": mirror.lower["host"], "disk": mirror.lower["disk"]}
-    assert KVEvent_round_trip(lower[0])
-
-
-def KVEvent_round_trip(event) -> bool:
-    from runtime.cache.events import KVEvent
-
-    return KVEvent.from_dict(event.to_dict()) == event
+    assert KVEvent.from_dict(lower[0].to_dict()) == lower[0]
 
 
 def test_the_cache_picture_shows_what_lies_below(tmp_path):

@@ -248,11 +248,7 @@ class KVTiers:
         with self.lock:
             for name in names[first:]:
                 here = self.host is not None and name in self.host
-                if not (
-                    here
-                    or name in self._pending
-                    or (self.disk is not None and self.disk.contains(name))
-                ):
+                if not (here or self._on_disk(name)):
                     break
                 found.append(name)
                 in_host.append(here)
@@ -315,7 +311,7 @@ class KVTiers:
                 into_disk = (
                     self.disk is not None
                     and (self.host is None or to_disk)
-                    and not (name in self._pending or self.disk.contains(name))
+                    and not self._on_disk(name)
                 )
                 if into_host or into_disk:
                     new.append((k, into_host, into_disk))
@@ -362,8 +358,12 @@ class KVTiers:
             if not self._tails[prev]:
                 del self._tails[prev]
             return
-        if self.disk is not None and not (name in self._pending or self.disk.contains(name)):
+        if self.disk is not None and not self._on_disk(name):
             self._queue_write(name, self.host.data[row].clone())
+
+    def _on_disk(self, name: bytes) -> bool:
+        """In L3, or queued for it (a queued chunk is read from memory meanwhile)."""
+        return self.disk is not None and (name in self._pending or self.disk.contains(name))
 
     def _queue_write(self, name: bytes, data: torch.Tensor) -> None:
         if not self.disk.writable or name in self._pending:
