@@ -11,6 +11,7 @@ from runtime.cache.eviction import EVICTION_POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+SPECULATIVE_MODES = ("tree", "off")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
 DEVICES = ("cpu", "cuda", "cuda:<index>")
 _DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
@@ -89,6 +90,21 @@ class EngineConfig(BaseModel):
     enable_jump_forward: bool = Field(
         True, description="append grammar-forced text without sampling (constrained requests)"
     )
+    speculative: str = Field(
+        "tree",
+        description="tree: decoding requests guess their next tokens from what the engine "
+        "holds (the radix tree, their own context, their program's siblings) and verify the "
+        "guesses in one forward pass, output unchanged; off: one token per step",
+    )
+    spec_max_draft_tokens: int = Field(
+        8, ge=1, le=64, description="most tokens one request guesses per step"
+    )
+    spec_max_batch: int = Field(
+        16,
+        ge=1,
+        description="speculate only in steps with at most this many decoding requests (a "
+        "larger batch is compute-bound: verifying guesses would cost what they save)",
+    )
     record_trace: bool = Field(
         False, description="keep the cache access trace (admissions, inserts) for offline replay"
     )
@@ -108,7 +124,9 @@ class EngineConfig(BaseModel):
         "(runtime/cpu_share.py); False keeps torch's thread count",
     )
 
-    @field_validator("schedule_policy", "eviction_policy", "dtype", "kv_write_policy")
+    @field_validator(
+        "schedule_policy", "eviction_policy", "dtype", "kv_write_policy", "speculative"
+    )
     @classmethod
     def _known(cls, value: str, info: ValidationInfo) -> str:
         choices = {
@@ -116,6 +134,7 @@ class EngineConfig(BaseModel):
             "eviction_policy": EVICTION_POLICIES,
             "dtype": DTYPES,
             "kv_write_policy": KV_WRITE_POLICIES,
+            "speculative": SPECULATIVE_MODES,
         }[info.field_name]
         if value not in choices:
             raise ValueError(f"unknown {info.field_name} {value!r}; choose from {tuple(choices)}")

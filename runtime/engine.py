@@ -51,6 +51,7 @@ from runtime.protocol import (
 from runtime.results import error_result, result_of, stream_chunk_of
 from runtime.scheduler.request import Req
 from runtime.scheduler.scheduler import ScheduledBatch, Scheduler
+from runtime.verify import apply_logits
 from runtime.scoring import ContinuationScorer
 from runtime.summary import EngineSummary
 
@@ -156,11 +157,13 @@ class Engine:
             release_openmp_workers()
         adapt = cpu and self.config.adapt_cpu_threads
         self.cpu_share = CpuShare.for_this_process() if adapt else None
+        self._jump_forward = self.config.enable_jump_forward
         self._loop = EngineLoop(self.step, self.scheduler.has_work, self.scheduler.fail_running)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> bool:
-        """One step: schedule -> forward -> process. False when nothing could run."""
+        """One step: schedule -> forward -> sample/verify -> process. False when nothing
+        could run."""
         batch = self.scheduler.schedule()
         if batch is None:
             return False
@@ -172,7 +175,7 @@ class Engine:
             log_failure("a forward pass failed; retrying its requests one by one")
             self._run_one_by_one(batch)
             return True
-        self.scheduler.process(batch, logits)
+        self.scheduler.process(batch, apply_logits(batch, logits, self._jump_forward))
         return True
 
     def _run_one_by_one(self, batch: ScheduledBatch) -> None:
@@ -185,7 +188,7 @@ class Engine:
                 message = f"the forward pass failed on this request: {err}"
                 self.scheduler.fail(entry.req, message, kind="internal")
                 continue
-            self.scheduler.process(single, logits)
+            self.scheduler.process(single, apply_logits(single, logits, self._jump_forward))
 
     @property
     def is_alive(self) -> bool:

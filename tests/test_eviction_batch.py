@@ -62,8 +62,8 @@ def run(model_dir, batch, capacity: int, policy: str, page_size: int = 1):
         scheduler = engine.scheduler
         process = scheduler.process
 
-        def checked(batch_, logits):  # on the loop thread, after every step
-            process(batch_, logits)
+        def checked(batch_, outcomes):  # on the loop thread, after every step
+            process(batch_, outcomes)
             scheduler.check_integrity()
 
         scheduler.process = checked

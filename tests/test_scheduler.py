@@ -12,6 +12,7 @@ from runtime.prefix import union_prefix_tokens
 from runtime.protocol import GraphHints, SamplingParams
 from runtime.scheduler.request import Req, ReqKind, ReqStatus
 from runtime.scheduler.scheduler import ScheduledBatch, Scheduler
+from runtime.verify import apply_logits
 
 VOCAB = 97
 
@@ -45,7 +46,7 @@ def run(sched: Scheduler, max_steps: int = 10_000) -> int:
     while sched.has_work():
         batch = sched.schedule()
         assert batch is not None, "work left but nothing schedulable"
-        sched.process(batch, fake_logits(batch))
+        sched.process(batch, apply_logits(batch, fake_logits(batch), True))
         sched.check_integrity()
         steps += 1
         assert steps < max_steps
@@ -209,7 +210,7 @@ def test_abort_frees_everything_in_every_state():
     sched.add(running)
     sched.add(waiting)
     batch = sched.schedule()
-    sched.process(batch, fake_logits(batch))
+    sched.process(batch, apply_logits(batch, fake_logits(batch), True))
     assert running in sched.running and "waiting" in sched.waiting
     assert sched.abort("running") and sched.abort("waiting") and not sched.abort("nobody")
     assert running.gen.finish_reason == waiting.gen.finish_reason == "abort"

@@ -23,6 +23,7 @@ import torch
 
 from runtime.cache.allocator import SlotAllocator
 from runtime.cache.eviction import CandidateQueue, EvictionPolicy, make_eviction_policy
+from runtime.cache.token_index import TokenIndex
 from runtime.prefix import common_prefix_len
 
 Namespace = Hashable  # cache salt / adapter id; None is the default namespace
@@ -154,6 +155,8 @@ class RadixCache:
         # lower KV tiers (tiers.py): called as sink(namespace, path, start_len, path_slots) for
         # each leaf edge evict() takes, while its slots (and its ancestors') still hold its KV
         self.demote_sink: DemoteSink | None = None
+        # speculative drafts (token_index.py): told every new edge and every freed slot
+        self.token_index: TokenIndex | None = None
         self._init_tree()
 
     # ---------------------------------------------------------------- sizes
@@ -239,6 +242,9 @@ class RadixCache:
             self._bump(leaf)
             if self.event_sink is not None:
                 self.event_sink("stored", namespace, key, pos)
+            if self.token_index is not None:
+                prev_slot = int(values[-1][-1]) if values else -1
+                self.token_index.inserted(namespace, key, pos, new_indices.tolist(), prev_slot)
             values.append(new_indices)
             node, pos = leaf, aligned_len
         return InsertResult(prefix_len, TreePosition(node, pos), _cat(values))
@@ -397,6 +403,8 @@ class RadixCache:
             node.evicted = True
         self._candidates.clear()
         self._init_tree()
+        if self.token_index is not None:
+            self.token_index.reset()
         if self.event_sink is not None:
             self.event_sink("cleared", None, (), 0)
 
@@ -472,12 +480,21 @@ class RadixCache:
             assert bool((rows[:, 0] % ps == 0).all()), "a node holds a partial page"
             assert bool((rows - rows[:, :1] == torch.arange(ps)).all()), "a page out of order"
         self.allocator.check_integrity()
+        if self.token_index is not None:
+            self.token_index.check_integrity(self._slot_tokens())
         if num_caller_slots is not None:
             accounted = self.allocator.num_free_slots + self.total_size + num_caller_slots
             assert accounted == self.allocator.num_slots, (
                 f"slots lost or double-owned: free {self.allocator.num_free_slots} + tree "
                 f"{self.total_size} + callers {num_caller_slots} != {self.allocator.num_slots}"
             )
+
+    def _slot_tokens(self) -> dict[int, int]:
+        """Every slot the tree holds -> its token (checks)."""
+        held: dict[int, int] = {}
+        for node in self._iter_nodes():
+            held.update(zip(node.value.tolist(), node.key, strict=True))
+        return held
 
     def pretty_print(
         self,
@@ -643,6 +660,8 @@ class RadixCache:
         self._slot_in_tree[slots] = False
         self.allocator.free(slots)
         self.num_evicted_tokens += slots.numel()
+        if self.token_index is not None:
+            self.token_index.released(slots.tolist())
 
     def _check_new_slots(self, indices: torch.Tensor) -> None:
         if not self.allocator.all_allocated(indices):

@@ -42,12 +42,15 @@ class ForwardBatch:
         kv_slots: Sequence[torch.Tensor],
         all_logits: Sequence[bool] | None = None,
         no_logits: Sequence[bool] | None = None,
+        logit_tails: Sequence[int] | None = None,
     ) -> ForwardBatch:
         """Batch sequences given their new tokens and full slot lists (cached prefix + new).
 
         Logits are produced for the last new token of each sequence, for every new token of
         the sequences flagged in `all_logits` (prompt logprobs, scoring), and for none of the
-        sequences flagged in `no_logits` (a prefill chunk that is not the last).
+        sequences flagged in `no_logits` (a prefill chunk that is not the last). `logit_tails`,
+        if given, says it per sequence instead: logits for its last n new tokens (a draft
+        being verified wants one row per draft token plus one).
         """
         if len(new_token_ids) != len(kv_slots):
             raise ValueError("one slot list per sequence is needed")
@@ -55,15 +58,19 @@ class ForwardBatch:
         seq_lens = tuple(int(s.numel()) for s in kv_slots)
         if any(e < 1 or e > s for e, s in zip(extend_lens, seq_lens, strict=True)):
             raise ValueError("each sequence needs 1..seq_len new tokens")
-        flags = all_logits or (False,) * len(extend_lens)
-        skips = no_logits or (False,) * len(extend_lens)
+        if logit_tails is None:
+            flags = all_logits or (False,) * len(extend_lens)
+            skips = no_logits or (False,) * len(extend_lens)
+            logit_tails = [
+                e if want_all else int(not skip)
+                for e, want_all, skip in zip(extend_lens, flags, skips, strict=True)
+            ]
         positions, rows, start = [], [], 0
-        for e, s, want_all, skip in zip(extend_lens, seq_lens, flags, skips, strict=True):
+        for e, s, tail in zip(extend_lens, seq_lens, logit_tails, strict=True):
+            if not 0 <= tail <= e:
+                raise ValueError(f"logits for {tail} of {e} new tokens")
             positions.append(torch.arange(s - e, s, dtype=torch.int64))
-            if want_all:
-                rows.extend(range(start, start + e))
-            elif not skip:
-                rows.append(start + e - 1)
+            rows.extend(range(start + e - tail, start + e))
             start += e
         return cls(
             input_ids=torch.tensor([t for toks in new_token_ids for t in toks], dtype=torch.int64),

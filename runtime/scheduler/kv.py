@@ -227,6 +227,25 @@ class KVManager:
         req.slots = torch.cat([req.slots, self.allocator.alloc(num_tokens)])
         return True
 
+    def grow_if_free(self, req: Req, upto: int) -> bool:
+        """`grow` from free slots only (a speculative draft never evicts cached KV)."""
+        short = upto - req.capacity
+        if short <= 0:
+            return True
+        num_tokens = -(-short // self.page_size) * self.page_size
+        if num_tokens > self.allocator.num_free_slots:
+            return False
+        req.slots = torch.cat([req.slots, self.allocator.alloc(num_tokens)])
+        return True
+
+    def trim(self, req: Req) -> None:
+        """After a verified draft: keep the pages up to the next token's slot, free the rest
+        (the rejected guesses')."""
+        keep = -(-(req.num_computed + 1) // self.page_size) * self.page_size
+        if req.capacity > keep:
+            self.free(req.slots[keep:])
+            req.slots = req.slots[:keep]
+
     def make_room(self, num_tokens: int) -> bool:
         """Evict until `num_tokens` slots are free; False if the unlocked tree is too small."""
         missing = num_tokens - self.allocator.num_free_slots

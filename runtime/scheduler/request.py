@@ -5,12 +5,16 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from runtime.cache.radix import TreePosition
 from runtime.generation import GenerationState
 from runtime.protocol import GraphHints
+
+if TYPE_CHECKING:
+    from runtime.scheduler.drafts import SpecState
 
 
 class ReqKind(enum.Enum):
@@ -93,6 +97,7 @@ class Req:
         # the last known cache match while waiting (SchedulePolicy.match keeps it current)
         self.match_pos: TreePosition | None = None
         self.match_version = -1
+        self.spec: SpecState | None = None  # its drafting state, once it decodes (drafts.py)
 
     # ------------------------------------------------------------------ tokens
     @property

@@ -24,18 +24,22 @@ import sys
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-import torch
-
+from runtime.cache.radix import RadixCache
 from runtime.cache.tiers import KVTiers
+from runtime.cache.token_index import TokenIndex
 from runtime.config import EngineConfig
 from runtime.model.batch import ForwardBatch
-from runtime.model.sampler import sample
+from runtime.scheduler.drafts import Drafter
 from runtime.scheduler.kv import KVManager, future_tokens
 from runtime.scheduler.policy import SchedulePolicy
 from runtime.scheduler.request import Req, ReqKind, ReqStatus
+
+if TYPE_CHECKING:
+    from runtime.verify import EntryOutcome
 
 INIT_NEW_TOKEN_RATIO = 0.7  # share of max_new_tokens reserved for running requests' growth
 MIN_NEW_TOKEN_RATIO = 0.15
@@ -51,9 +55,12 @@ class BatchEntry:
     is_decode: bool
     all_logits: bool  # logits at every new position (prompt logprobs)
     wants_logits: bool  # logits at the last new position at least
+    draft: tuple[int, ...] = ()  # guessed tokens fed after the real ones, to verify
 
     @property
     def num_logit_rows(self) -> int:
+        if self.draft:
+            return len(self.draft) + 1
         return self.num_new if self.all_logits else int(self.wants_logits)
 
 
@@ -80,6 +87,12 @@ class Scheduler:
         self.counters: Counter[str] = Counter()
         self._admit_seq = 0
         self._deadlines: list[tuple[float, int, Req]] = []  # heap: soonest first
+        self.drafter: Drafter | None = None
+        if config.speculative == "tree":
+            index = None
+            if isinstance(self.kv.cache, RadixCache):
+                index = self.kv.cache.token_index = TokenIndex(num_slots)
+            self.drafter = Drafter(config.spec_max_draft_tokens, index)
 
     # ------------------------------------------------------------------ intake
     def add(self, req: Req) -> None:
@@ -124,10 +137,12 @@ class Scheduler:
     def batch_of(entries: list[BatchEntry]) -> ScheduledBatch:
         """The forward batch for `entries` (their slots are already allocated)."""
         forward = ForwardBatch.build(
-            [e.req.tokens(e.req.num_computed, e.req.num_computed + e.num_new) for e in entries],
-            [e.req.slots[: e.req.num_computed + e.num_new] for e in entries],
-            all_logits=[e.all_logits for e in entries],
-            no_logits=[not e.wants_logits for e in entries],
+            [
+                e.req.tokens(e.req.num_computed, e.req.num_computed + e.num_new) + list(e.draft)
+                for e in entries
+            ],
+            [e.req.slots[: e.req.num_computed + e.num_new + len(e.draft)] for e in entries],
+            logit_tails=[e.num_logit_rows for e in entries],
         )
         return ScheduledBatch(entries, forward)
 
@@ -139,6 +154,8 @@ class Scheduler:
                 for r in self.running
                 if r.is_decoding
             ]
+            if self.drafter is not None and len(entries) <= self.config.spec_max_batch:
+                entries = [self._with_draft(e) for e in entries]
             budget = self.config.chunked_prefill_tokens
             for req in [r for r in self.running if not r.is_decoding]:
                 num_new = min(req.num_tokens - req.num_computed, budget)
@@ -155,6 +172,15 @@ class Scheduler:
                 self._fail_too_large(self.running[0], self.running[0].num_tokens)
             else:
                 self.retract(max(self.running, key=lambda r: r.admit_seq))
+
+    def _with_draft(self, entry: BatchEntry) -> BatchEntry:
+        """A decode entry with the request's guess of what follows, if it has one and free
+        slots hold it (a guess never evicts anything)."""
+        req = entry.req
+        draft = self.drafter.draft(req, self.running)
+        if not draft or not self.kv.grow_if_free(req, req.num_tokens + len(draft)):
+            return entry
+        return replace(entry, draft=tuple(draft))
 
     def _abort_expired(self) -> None:
         """Abort requests past their deadline (timeout_s); with none due, one comparison."""
@@ -288,54 +314,40 @@ class Scheduler:
         self.fail(req, f"request needs {need} KV slots, the pool has {pool}: raise max_kv_tokens")
 
     # ------------------------------------------------------------------ process
-    def process(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
-        """Apply one forward pass: logits (num_logit_rows, vocab), rows in entry order."""
-        row = 0
-        to_sample: list[tuple[Req, int]] = []
-        for entry in batch.entries:
+    def process(self, batch: ScheduledBatch, outcomes: Sequence[EntryOutcome]) -> None:
+        """Apply one step's outcomes (verify.apply_logits: tokens already sampled into each
+        request's output): KV bookkeeping, counts, finishing. One outcome per entry."""
+        for entry, outcome in zip(batch.entries, outcomes, strict=True):
             req = entry.req
-            first_row, row = row, row + entry.num_logit_rows
             start = req.num_computed
-            req.num_computed += entry.num_new
+            req.num_computed += entry.num_new + outcome.num_accepted
+            if entry.draft:
+                self.drafter.verified(req, len(entry.draft), outcome.num_accepted)
+                self.kv.trim(req)  # the rejected guesses' slots
             prompt_part = max(0, min(req.num_computed, len(req.prompt_ids)) - start)
             self.counters["prefill_tokens"] += prompt_part  # prompt positions
-            self.counters["decode_tokens"] += entry.num_new - prompt_part  # generated ones
-            if entry.all_logits:
-                req.record_prompt_logprobs(start, logits[first_row:row])
-            if req.num_computed < req.num_tokens:
+            self.counters["decode_tokens"] += req.num_computed - start - prompt_part
+            if not outcome.at_end:
                 self.kv.cache_prefix(req)  # a finished chunk: let others match it now
             elif req.kind is ReqKind.GENERATE:
                 if not entry.is_decode:
                     self.kv.cache_prefix(req)
-                to_sample.append((req, row - 1))
+                self._sampled(req, outcome)
             else:
-                if req.keep_last_logprobs:
-                    req.last_logprobs = torch.log_softmax(logits[row - 1].cpu(), dim=-1)
                 self._complete(req)
-        if to_sample:
-            self._sample(to_sample, logits)
         ratio = self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, ratio)
 
-    def _sample(self, to_sample: list[tuple[Req, int]], logits: torch.Tensor) -> None:
-        reqs = [r for r, _ in to_sample]
-        out = sample(logits[[i for _, i in to_sample]], [r.gen.sampler for r in reqs])
-        for i, req in enumerate(reqs):
-            if out.errors[i] is not None:
-                self.fail(req, out.errors[i])
-                continue
-            try:
-                req.gen.append(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
-                if self.config.enable_jump_forward:
-                    self.counters["jump_forward_tokens"] += req.gen.jump_forward()
-            except Exception as err:  # noqa: BLE001 - this request's own failure, not the step's
-                self.fail(req, f"output processing failed: {err}", kind="internal")
-                continue
-            if req.first_token_s is None:
-                req.first_token_s = time.monotonic()
-            _notify(req.on_delta, req)
-            if req.gen.finished:
-                self._finish(req, req.gen.finish_reason)
+    def _sampled(self, req: Req, outcome: EntryOutcome) -> None:
+        if outcome.error is not None:
+            self.fail(req, outcome.error, kind=outcome.error_kind)
+            return
+        self.counters["jump_forward_tokens"] += outcome.num_forced
+        if req.first_token_s is None:
+            req.first_token_s = time.monotonic()
+        _notify(req.on_delta, req)
+        if req.gen.finished:
+            self._finish(req, req.gen.finish_reason)
 
     def _complete(self, req: Req) -> None:
         """A prefill-only request or pin whose tokens are all computed (or were cached)."""
@@ -402,6 +414,7 @@ class Scheduler:
             "schedule_rematches_total": self.policy.num_rematches,
             "new_token_ratio": self.new_token_ratio,
             "jump_forward_tokens_total": c["jump_forward_tokens"],
+            **(self.drafter.stats() if self.drafter is not None else {}),
             **(self.kv.tiers.stats() if self.kv.tiers is not None else {}),
         }
 

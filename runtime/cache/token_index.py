@@ -1,0 +1,169 @@
+"""TokenIndex: where each token the radix tree holds sits, found by the tokens before it.
+
+Speculative decoding guesses a request's next tokens by finding its last few tokens somewhere
+the engine has seen them and reading on. The radix tree already holds every cached prompt and
+every finished continuation, token by token; this index makes them searchable by content:
+
+- per slot (a token the tree holds): its token, the slot before it on its path, the slot
+  after it most recently inserted, its namespace;
+- per trigram (namespace, three tokens): the last few slots it ends at.
+
+The tree tells it what it inserts (`inserted`, the new edge's tokens and slots) and what it
+frees (`released`): insertion costs O(new tokens), eviction O(evicted tokens), a split
+nothing (slots never move), and nothing is ever rescanned. A namespace is part of every key
+and is checked on every slot read, so a guess never comes from another tenant's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+NGRAM = 3  # tokens a key holds: the shortest context a guess starts from
+ANCHORS_PER_GRAM = 4  # most recent slots kept per trigram
+MAX_MATCH = 12  # how far back a candidate's context is compared (longer wins)
+
+_NONE = -1
+
+
+class TokenIndex:
+    """Trigram -> slots, and per-slot links along the tree's paths."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._token = [_NONE] * num_slots
+        self._prev = [_NONE] * num_slots
+        self._next = [_NONE] * num_slots
+        self._space = [_NONE] * num_slots  # namespace id; _NONE: not in the tree
+        self._gram: list[tuple | None] = [None] * num_slots  # the key listing this slot
+        self._grams: dict[tuple, list[int]] = {}
+        self._space_ids: dict[Hashable, int] = {}
+
+    # ------------------------------------------------------------------ the tree's side
+    def space_id(self, namespace: Hashable) -> int:
+        ident = self._space_ids.get(namespace)
+        if ident is None:
+            ident = self._space_ids[namespace] = len(self._space_ids)
+        return ident
+
+    def inserted(
+        self,
+        namespace: Hashable,
+        key: Sequence[int],
+        start: int,
+        slots: Sequence[int],
+        prev_slot: int,
+    ) -> None:
+        """The tree added the edge key[start:] -> slots after the path whose last slot is
+        `prev_slot` (_NONE at a root); key[:start] is that path's tail (for trigrams)."""
+        space = self.space_id(namespace)
+        token, prev, nxt, spaces, gram_of, grams = (
+            self._token,
+            self._prev,
+            self._next,
+            self._space,
+            self._gram,
+            self._grams,
+        )
+        for i, slot in enumerate(slots):
+            pos = start + i
+            token[slot] = key[pos]
+            prev[slot] = prev_slot
+            spaces[slot] = space
+            if prev_slot != _NONE:
+                nxt[prev_slot] = slot  # the latest continuation is the one read on
+            nxt[slot] = _NONE
+            if pos >= NGRAM - 1:
+                gram = (space, key[pos - 2], key[pos - 1], key[pos])
+                anchors = grams.get(gram)
+                if anchors is None:
+                    grams[gram] = [slot]
+                else:
+                    anchors.append(slot)
+                    if len(anchors) > ANCHORS_PER_GRAM:
+                        gram_of[anchors.pop(0)] = None
+                gram_of[slot] = gram
+            prev_slot = slot
+
+    def released(self, slots: Sequence[int]) -> None:
+        """The tree freed these slots (evicted): forget them."""
+        gram_of, grams = self._gram, self._grams
+        for slot in slots:
+            gram = gram_of[slot]
+            if gram is not None:
+                anchors = grams[gram]
+                anchors.remove(slot)
+                if not anchors:
+                    del grams[gram]
+                gram_of[slot] = None
+            self._space[slot] = _NONE
+            self._token[slot] = _NONE
+
+    def reset(self) -> None:
+        self.__init__(self.num_slots)
+
+    # ------------------------------------------------------------------ guesses
+    def continuation(
+        self, namespace: Hashable, context: Sequence[int], max_tokens: int
+    ) -> tuple[int, list[int]]:
+        """The best guess of what follows `context` (its last tokens matter): tokens read on
+        from the tree position whose preceding tokens match the longest tail of `context`.
+        Returns (tokens matched, guess); (0, []) when no trigram matches."""
+        if len(context) < NGRAM or max_tokens <= 0:
+            return 0, []
+        space = self._space_ids.get(namespace)
+        if space is None:
+            return 0, []
+        anchors = self._grams.get((space, context[-3], context[-2], context[-1]))
+        if not anchors:
+            return 0, []
+        best_len, best = 0, []
+        for anchor in reversed(anchors):  # the most recent first: it wins ties
+            matched = self._matched_before(space, anchor, context)
+            if matched < best_len:
+                continue
+            guess = self._read_on(space, anchor, max_tokens)
+            if matched > best_len or len(guess) > len(best):
+                best_len, best = matched, guess
+        return best_len, best
+
+    def _matched_before(self, space: int, slot: int, context: Sequence[int]) -> int:
+        """How many tokens of `context`'s tail the path ending at `slot` repeats."""
+        token, prev, spaces = self._token, self._prev, self._space
+        matched, limit = 0, min(len(context), MAX_MATCH)
+        while matched < limit and slot != _NONE and spaces[slot] == space:
+            if token[slot] != context[-1 - matched]:
+                break
+            matched += 1
+            slot = prev[slot]
+        return matched
+
+    def _read_on(self, space: int, slot: int, max_tokens: int) -> list[int]:
+        token, prev, nxt, spaces = self._token, self._prev, self._next, self._space
+        out: list[int] = []
+        while len(out) < max_tokens:
+            following = nxt[slot]
+            # a freed and reused slot is no longer this path's continuation
+            if following == _NONE or spaces[following] != space or prev[following] != slot:
+                break
+            out.append(token[following])
+            slot = following
+        return out
+
+    # ------------------------------------------------------------------ checks
+    @property
+    def num_indexed(self) -> int:
+        return sum(len(a) for a in self._grams.values())
+
+    def check_integrity(self, tree_slots: dict[int, int] | None = None) -> None:
+        """Every listed slot is indexed under its own key; with the tree's slot -> token map,
+        the index knows exactly the tree's slots and their tokens."""
+        for gram, anchors in self._grams.items():
+            assert anchors and len(anchors) <= ANCHORS_PER_GRAM, gram
+            for slot in anchors:
+                assert self._gram[slot] == gram, (slot, gram)
+                assert self._space[slot] == gram[0] and self._token[slot] == gram[3], slot
+                if tree_slots is not None:
+                    assert slot in tree_slots, f"slot {slot} indexed but not in the tree"
+        if tree_slots is not None:
+            listed = {s: self._token[s] for s in range(self.num_slots) if self._space[s] != _NONE}
+            assert listed == tree_slots, "the index and the tree disagree on their tokens"

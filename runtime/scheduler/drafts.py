@@ -1,0 +1,145 @@
+"""Drafts: a decoding request's guess of its next tokens, from what the engine already holds.
+
+Three sources, the longest match of the request's last tokens wins (ties: the longer guess):
+- its own context (prompt lookup: a quote, a repeated key, a list it continues);
+- its program's siblings still running (fork branches answering the same question);
+- the radix tree (TokenIndex): every cached prompt and finished answer of its namespace.
+
+A guess is verified by the target model in the same step (verify.py), so a wrong one costs
+only the extra rows of that forward pass. Each request adapts: its guess length follows how
+much was accepted, and after a guess that missed entirely it waits 1, 3, 7, 15 steps before
+guessing again, so a request with nothing to copy costs a lookup per step and little else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from runtime.cache.token_index import MAX_MATCH, NGRAM, TokenIndex
+from runtime.scheduler.request import Req
+
+FIRST_DRAFT_TOKENS = 4
+MAX_COOLDOWN_STEPS = 15
+MAX_SIBLINGS = 8  # running siblings a draft looks at
+
+
+class SpecState:
+    """One request's drafting state: its own trigram index and how its guesses went."""
+
+    __slots__ = ("grams", "indexed", "draft_len", "misses", "cooldown")
+
+    def __init__(self, draft_len: int) -> None:
+        self.grams: dict[tuple[int, int, int], int] = {}  # trigram -> where it last ended
+        self.indexed = 0  # positions below this are in `grams`
+        self.draft_len = draft_len
+        self.misses = 0  # guesses in a row with nothing accepted
+        self.cooldown = 0  # steps left without guessing
+
+
+class Drafter:
+    """Picks each decoding request's draft and learns from its verification."""
+
+    def __init__(self, max_draft_tokens: int, index: TokenIndex | None) -> None:
+        self.max_draft_tokens = max_draft_tokens
+        self.index = index  # None: the radix cache is off
+        self.drafted_tokens = 0
+        self.accepted_tokens = 0
+        self.verified_drafts = 0
+
+    def draft(self, req: Req, running: Iterable[Req]) -> list[int]:
+        """Up to the request's draft length of guessed tokens; [] to decode plainly."""
+        state = self._state(req)
+        if state.cooldown:
+            state.cooldown -= 1
+            return []
+        limit = min(state.draft_len, req.remaining_new_tokens - 1)
+        n = req.num_tokens
+        if limit <= 0 or n < NGRAM:
+            return []
+        _index_upto(req, n - 1)
+        tail = req.tokens(max(0, n - MAX_MATCH), n)
+        best_len, best = _lookup(req, tail, limit)
+        program = req.hints.program_id
+        if program is not None:
+            siblings = (
+                r
+                for r in running
+                if r is not req and r.hints.program_id == program and r.namespace == req.namespace
+            )
+            for _, sibling in zip(range(MAX_SIBLINGS), siblings, strict=False):
+                self._state(sibling)
+                _index_upto(sibling, sibling.num_tokens)
+                matched, guess = _lookup(sibling, tail, limit)
+                if (matched, len(guess)) > (best_len, len(best)):
+                    best_len, best = matched, guess
+        if self.index is not None:
+            matched, guess = self.index.continuation(req.namespace, tail, limit)
+            if (matched, len(guess)) > (best_len, len(best)):
+                best_len, best = matched, guess
+        return best
+
+    def _state(self, req: Req) -> SpecState:
+        if req.spec is None:
+            req.spec = SpecState(min(FIRST_DRAFT_TOKENS, self.max_draft_tokens))
+        return req.spec
+
+    def verified(self, req: Req, num_drafted: int, num_accepted: int) -> None:
+        """A draft of `num_drafted` tokens was verified and `num_accepted` kept."""
+        self.drafted_tokens += num_drafted
+        self.accepted_tokens += num_accepted
+        self.verified_drafts += 1
+        state = req.spec
+        if num_accepted == num_drafted:
+            state.draft_len = min(self.max_draft_tokens, state.draft_len * 2)
+        else:
+            state.draft_len = max(1, num_accepted + 1)
+        if num_accepted:
+            state.misses = 0
+        else:
+            state.misses += 1
+            state.cooldown = min(MAX_COOLDOWN_STEPS, (1 << state.misses) - 1)
+
+    def stats(self) -> dict[str, float]:
+        drafts = self.verified_drafts
+        return {
+            "spec_drafts_total": drafts,
+            "spec_draft_tokens_total": self.drafted_tokens,
+            "spec_accepted_tokens_total": self.accepted_tokens,
+            "spec_acceptance_rate": self.accepted_tokens / self.drafted_tokens
+            if self.drafted_tokens
+            else 0.0,
+            # tokens a verifying step appends per request: the accepted guesses plus one
+            "spec_mean_accepted_length": (self.accepted_tokens + drafts) / drafts if drafts else 0.0,
+        }
+
+
+def _index_upto(req: Req, end: int) -> None:
+    """Index the trigrams of `req` ending below `end` (incrementally)."""
+    state = req.spec
+    if state is None:
+        return
+    start = state.indexed
+    if end <= start:
+        return
+    first = max(start, NGRAM - 1)
+    ids = req.tokens(first - NGRAM + 1, end)
+    grams = state.grams
+    for i in range(len(ids) - NGRAM + 1):
+        grams[(ids[i], ids[i + 1], ids[i + 2])] = first + i
+    state.indexed = end
+
+
+def _lookup(source: Req, tail: list[int], limit: int) -> tuple[int, list[int]]:
+    """What followed the last trigram of `tail` in `source`'s tokens: (match length, guess)."""
+    state = source.spec
+    if state is None:
+        return 0, []
+    end = state.grams.get((tail[-3], tail[-2], tail[-1]))
+    if end is None:
+        return 0, []
+    before = source.tokens(max(0, end + 1 - len(tail)), end + 1)
+    matched = 0
+    while matched < len(before) and before[-1 - matched] == tail[-1 - matched]:
+        matched += 1
+    guess = source.tokens(end + 1, min(end + 1 + limit, source.num_tokens))
+    return (matched, guess) if guess else (0, [])

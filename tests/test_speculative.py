@@ -1,0 +1,351 @@
+"""Speculative decoding from the radix tree: the token index beside the tree, drafts, and
+verification that leaves outputs exactly as they are without it (greedy token for token,
+seeded sampling draw for draw, unseeded sampling in distribution), with invariants checked
+after every step."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runtime.cache.allocator import SlotAllocator
+from runtime.cache.radix import RadixCache
+from runtime.cache.token_index import TokenIndex
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.generation import GenerationState
+from runtime.protocol import Constraint, GenerateRequest, GraphHints, SamplingParams
+from runtime.scheduler.request import Req, ReqKind
+from runtime.scheduler.scheduler import ScheduledBatch, Scheduler
+from runtime.verify import apply_logits
+
+VOCAB = 11
+
+
+# ---------------------------------------------------------------- the token index
+def indexed_cache(num_slots: int, page_size: int) -> RadixCache:
+    cache = RadixCache(SlotAllocator(num_slots, page_size), page_size)
+    cache.token_index = TokenIndex(num_slots)
+    return cache
+
+
+def insert(cache: RadixCache, ids: list[int], namespace) -> None:
+    """Insert like a request releasing its KV: the tree keeps new pages, the rest is freed."""
+    aligned = len(ids) // cache.page_size * cache.page_size
+    if not aligned or cache.allocator.num_free_slots < aligned:
+        return
+    slots = cache.allocator.alloc(aligned)
+    done = cache.insert(ids[:aligned], slots, namespace)
+    if done.prefix_len:
+        cache.allocator.free(slots[: done.prefix_len])
+
+
+def paths(cache: RadixCache, namespace) -> list[tuple[int, ...]]:
+    out = []
+    for leaf in cache.leaves():
+        ns, path, _ = cache.path_of(leaf)
+        if ns == namespace:
+            out.append(tuple(path))
+    return out
+
+
+def occurs(needle: list[int], haystacks: list[tuple[int, ...]]) -> bool:
+    n = len(needle)
+    return any(
+        list(hay[i : i + n]) == needle for hay in haystacks for i in range(len(hay) - n + 1)
+    )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    page_size=st.sampled_from([1, 4]),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["insert", "insert", "evict", "query"]),
+            st.sampled_from(["a", "b", None]),
+            st.lists(st.integers(0, 5), min_size=3, max_size=40),
+            st.integers(1, 60),
+        ),
+        max_size=40,
+    ),
+)
+def test_the_index_follows_the_tree_and_guesses_only_what_a_namespace_holds(page_size, ops):
+    cache = indexed_cache(256, page_size)
+    for op, namespace, ids, amount in ops:
+        if op == "insert":
+            insert(cache, ids, namespace)
+        elif op == "evict":
+            cache.evict(amount)
+        else:
+            matched, guess = cache.token_index.continuation(namespace, ids, 8)
+            if guess:  # what it guesses is a real continuation of the context in this namespace
+                assert 3 <= matched <= len(ids)
+                assert occurs(ids[len(ids) - matched :] + guess, paths(cache, namespace))
+        cache.check_integrity(num_caller_slots=0)
+
+
+def test_a_guess_never_crosses_namespaces_and_dies_with_eviction():
+    cache = indexed_cache(64, 1)
+    secret = [7, 8, 9, 1, 2, 3, 4, 5]
+    insert(cache, secret, "tenant-a")
+    index = cache.token_index
+    assert index.continuation("tenant-a", [7, 8, 9], 4) == (3, [1, 2, 3, 4])
+    assert index.continuation("tenant-b", [7, 8, 9], 4) == (0, [])
+    assert index.continuation(None, [7, 8, 9], 4) == (0, [])
+    cache.evict(64)
+    assert index.continuation("tenant-a", [7, 8, 9], 4) == (0, [])
+    insert(cache, [7, 8, 9, 6, 6], "tenant-b")  # the freed slots are reused by another tenant
+    assert index.continuation("tenant-a", [7, 8, 9], 4) == (0, [])
+    assert index.continuation("tenant-b", [7, 8, 9], 4) == (3, [6, 6])
+    cache.check_integrity(num_caller_slots=0)
+
+
+def test_the_longest_matching_context_wins():
+    cache = indexed_cache(64, 1)
+    insert(cache, [1, 5, 6, 7, 10, 11], None)
+    insert(cache, [2, 5, 6, 7, 20, 21], None)  # the most recent, but a shorter match
+    assert cache.token_index.continuation(None, [9, 1, 5, 6, 7], 2) == (4, [10, 11])
+    assert cache.token_index.continuation(None, [9, 5, 6, 7], 2) == (3, [20, 21])
+
+
+# ---------------------------------------------------------------- scheduler + verify, fake model
+def fake_logits(batch: ScheduledBatch, sharp: bool = True) -> torch.Tensor:
+    """A "model" whose next token depends on the token and its position's parity, so a
+    trigram seen at another parity guesses wrong: drafts both hit and miss."""
+    fwd = batch.forward
+    tok, pos = fwd.input_ids[fwd.logit_rows], fwd.positions[fwd.logit_rows]
+    nxt = (tok * 3 + 1 + (pos % 2) * (tok % 3 == 0)) % VOCAB
+    logits = torch.nn.functional.one_hot(nxt, VOCAB).float()  # (rows, vocab)
+    if sharp:
+        return logits * 10
+    # a smooth distribution: the cycle's token is likely, the rest share the remainder
+    return logits * 2.0 + torch.linspace(0, 0.5, VOCAB)
+
+
+def make_req(rid, ids, params, program=None, namespace=None) -> Req:
+    gen = GenerationState(params, ids, None, (), VOCAB)
+    hints = GraphHints(program_id=program) if program else GraphHints()
+    return Req(rid, ids, gen, ReqKind.GENERATE, namespace, hints, 0)
+
+
+def run(sched: Scheduler, sharp: bool = True, abort_at: dict[int, str] | None = None) -> int:
+    steps = 0
+    while sched.has_work():
+        if abort_at and steps in abort_at:
+            sched.abort(abort_at[steps])
+            sched.check_integrity()
+            if not sched.has_work():
+                break
+        batch = sched.schedule()
+        assert batch is not None
+        sched.process(batch, apply_logits(batch, fake_logits(batch, sharp), True))
+        sched.check_integrity()
+        steps += 1
+        assert steps < 5000
+    assert sched.kv.allocator.num_used_slots == sched.kv.cache.total_size  # nothing leaked
+    return steps
+
+
+def outputs(prompts, params, *, speculative, abort_at=None, sharp=True, n=512, **settings):
+    sched = Scheduler(EngineConfig(speculative=speculative, **settings), n)
+    reqs = [
+        make_req(f"r{i}", p, params[i] if isinstance(params, list) else params, program="p")
+        for i, p in enumerate(prompts)
+    ]
+    for req in reqs:
+        sched.add(req)
+    steps = run(sched, sharp, abort_at)
+    return [r.gen.output_ids for r in reqs], sched, steps
+
+
+prompt_strategy = st.lists(st.integers(0, VOCAB - 1), min_size=3, max_size=30)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompts=st.lists(prompt_strategy, min_size=1, max_size=6),
+    max_new=st.integers(1, 24),
+    page_size=st.sampled_from([1, 4]),
+    chunk=st.sampled_from([16, 64]),
+    stop_token=st.one_of(st.none(), st.integers(0, VOCAB - 1)),
+    max_draft=st.integers(1, 8),
+)
+def test_greedy_output_is_the_same_token_for_token(
+    prompts, max_new, page_size, chunk, stop_token, max_draft
+):
+    params = SamplingParams(
+        temperature=0,
+        max_new_tokens=max_new,
+        ignore_eos=True,
+        stop_token_ids=[stop_token] if stop_token is not None else [],
+    )
+    common = dict(page_size=page_size, chunked_prefill_tokens=chunk)
+    plain, _, _ = outputs(prompts, params, speculative="off", **common)
+    spec, sched, _ = outputs(
+        prompts, params, speculative="tree", spec_max_draft_tokens=max_draft, **common
+    )
+    assert spec == plain
+    stats = sched.stats()
+    assert stats["spec_accepted_tokens_total"] <= stats["spec_draft_tokens_total"]
+
+
+def test_drafts_are_taken_and_save_steps():
+    prompts = [[1, 4, 2, 7, 0, 1, 4, 2, 7, 0, 1, 4]]  # it falls into a cycle: guesses mostly hold
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    plain, _, plain_steps = outputs(prompts, params, speculative="off")
+    spec, sched, spec_steps = outputs(prompts, params, speculative="tree")
+    assert spec == plain
+    stats = sched.stats()
+    assert stats["spec_accepted_tokens_total"] > 20
+    assert stats["spec_mean_accepted_length"] > 3
+    assert spec_steps < plain_steps / 2
+
+
+def test_memory_pressure_and_aborts_keep_the_books():
+    """A pool too small for the batch: retractions and aborts mid-draft leak nothing, and
+    the requests that finish say what they say without speculation."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(VOCAB) for _ in range(12)] for _ in range(6)]
+    params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+    plain, _, _ = outputs(prompts, params, speculative="off", n=48)
+    spec, sched, _ = outputs(prompts, params, speculative="tree", n=48)
+    stats = sched.stats()
+    assert spec == plain
+    assert stats["retractions_total"] > 0 and stats["spec_accepted_tokens_total"] > 0
+    aborted, sched, _ = outputs(prompts, params, speculative="tree", n=48, abort_at={3: "r1"})
+    assert [o for i, o in enumerate(aborted) if i != 1] == [o for i, o in enumerate(plain) if i != 1]
+
+
+def test_a_draft_never_comes_from_another_tenant():
+    sched = Scheduler(EngineConfig(speculative="tree"), 512)
+    secret = [5, 6, 7, 8, 9, 10, 1, 2, 3]
+    params = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
+    sched.add(make_req("a", secret, params, namespace="tenant-a"))
+    run(sched)
+    theirs = make_req("b", [0, 5, 6, 7], params, namespace="tenant-b")
+    assert sched.drafter.draft(theirs, []) == []
+    mine = make_req("a2", [0, 5, 6, 7], params, namespace="tenant-a")
+    assert sched.drafter.draft(mine, []) == [8]  # capped by max_new_tokens - 1
+
+
+def test_a_sibling_of_the_same_program_is_a_source():
+    sched = Scheduler(EngineConfig(speculative="tree", disable_radix_cache=True), 512)
+    params = SamplingParams(temperature=0, max_new_tokens=9, ignore_eos=True)
+    ahead = make_req("ahead", [9, 9, 3, 1, 4, 1, 5, 9, 2, 6, 5, 3], params, program="fork")
+    behind = make_req("behind", [8, 3, 1, 4], params, program="fork")
+    other = make_req("other", [8, 3, 1, 4], params, program="another")
+    assert sched.drafter.draft(behind, [ahead, behind]) == [1, 5, 9, 2]
+    assert sched.drafter.draft(other, [ahead, other]) == []
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_seeded_sampling_draws_the_same_tokens(page_size):
+    prompts = [[1, 4, 2, 7, 0, 1, 4, 2, 7, 0, 1, 4], [3, 10, 9, 6, 8, 3, 10, 9]]
+    params = [
+        SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=s)
+        for s in range(len(prompts))
+    ]
+    plain, _, _ = outputs(prompts, params, speculative="off", sharp=False, page_size=page_size)
+    spec, sched, _ = outputs(prompts, params, speculative="tree", sharp=False, page_size=page_size)
+    assert spec == plain
+    assert sched.stats()["spec_accepted_tokens_total"] > 0
+
+
+def test_unseeded_sampling_keeps_the_distribution():
+    """Chi-square, two samples: the 2nd..6th output tokens with and without speculation."""
+    prompt = [1, 4, 2, 7, 0, 1, 4, 2, 7, 0, 1, 4]
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True)
+    counts = {}
+    for mode in ("off", "tree"):
+        torch.manual_seed(0)
+        hist = torch.zeros(5, VOCAB)
+        accepted = 0
+        for batch in range(8):
+            config = EngineConfig(speculative=mode, seed=batch, spec_max_batch=64)
+            sched = Scheduler(config, 4096)
+            reqs = [make_req(f"r{i}", prompt, params) for i in range(60)]
+            for req in reqs:
+                sched.add(req)
+            run(sched, sharp=False)
+            for req in reqs:
+                for k, tok in enumerate(req.gen.output_ids[1:6]):
+                    hist[k, tok] += 1
+            accepted += sched.stats().get("spec_accepted_tokens_total", 0)
+        counts[mode] = (hist, accepted)
+    assert counts["tree"][1] > 100  # speculation really ran
+    a, b = counts["off"][0], counts["tree"][0]
+    for k in range(5):
+        keep = (a[k] + b[k]) > 0
+        x, y = a[k][keep], b[k][keep]
+        chi2 = float((((x - y) ** 2) / (x + y)).sum())
+        dof = int(keep.sum()) - 1
+        # the 0.1% critical value, Wilson-Hilferty
+        z = 3.09
+        critical = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+        assert chi2 < critical, (k, chi2, critical, x.tolist(), y.tolist())
+
+
+# ---------------------------------------------------------------- the engine, tiny model
+@pytest.fixture(autouse=True)
+def integrity_after_every_step(monkeypatch):
+    original = Engine.step
+
+    def checked_step(self):
+        progressed = original(self)
+        self.scheduler.check_integrity()
+        return progressed
+
+    monkeypatch.setattr(Engine, "step", checked_step)
+
+
+def engine_outputs(model_dir, reqs, **settings):
+    config = EngineConfig(model=str(model_dir), max_kv_tokens=8192, **settings)
+    with Engine(config) as engine:
+        results = engine.generate(reqs)
+        return results, engine.stats()
+
+
+def looping_prompts(tokenizer) -> list[list[int]]:
+    text = [
+        "Copy: the cat sat on the mat. the cat sat on the mat. the cat sat on",
+        "List: one two three four, one two three four, one two",
+        "Quote the line 'all that glitters is not gold' and then 'all that glitters",
+    ]
+    return [tokenizer.encode(t) for t in text]
+
+
+@pytest.mark.parametrize("backend,page_size", [("torch", 1), ("cpu", 1), ("cpu", 4)])
+def test_engine_greedy_is_unchanged_with_stops_logprobs_and_a_regex(
+    tiny_model_dir, default_tokenizer, backend, page_size
+):
+    prompts = looping_prompts(default_tokenizer)
+    variants = [
+        SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0, max_new_tokens=40, stop=[" mat"], logprobs=True),
+        SamplingParams(temperature=0, max_new_tokens=24),
+        SamplingParams(temperature=0.8, max_new_tokens=32, seed=5, top_k=20, ignore_eos=True),
+        SamplingParams(temperature=0, max_new_tokens=32, frequency_penalty=0.3, ignore_eos=True),
+    ]
+    regex = Constraint(regex=r"( ?[a-z]+){1,12}\.")
+    reqs = [
+        GenerateRequest(input_ids=p, sampling=v, constraint=regex if i == 2 else None)
+        for p in prompts
+        for i, v in enumerate(variants)
+    ]
+    common = dict(attention_backend=backend, page_size=page_size)
+    plain, _ = engine_outputs(tiny_model_dir, reqs, speculative="off", **common)
+    spec, stats = engine_outputs(tiny_model_dir, reqs, speculative="tree", **common)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    assert [r.text for r in spec] == [r.text for r in plain]
+    for a, b in zip(plain, spec, strict=True):
+        assert a.finish_reason == b.finish_reason
+        if a.logprobs:
+            assert [t.logprob for t in a.logprobs] == pytest.approx(
+                [t.logprob for t in b.logprobs], abs=1e-3
+            )
+    assert stats["spec_accepted_tokens_total"] > 0
