@@ -115,7 +115,7 @@ def add_serve(commands: Commands) -> None:
     """`flowlang serve`: the engine over HTTP."""
     from runtime.cache.eviction import EVICTION_POLICIES  # torch-free
     from runtime.cluster.policy import POLICIES as ROUTING_POLICIES
-    from runtime.config import DEVICES, KV_WRITE_POLICIES, SCHEDULE_POLICIES
+    from runtime.config import DEVICES, KV_WRITE_POLICIES, SCHEDULE_POLICIES, SPECULATIVE_MODES
 
     serve = commands.add_parser(
         "serve",
@@ -197,6 +197,20 @@ def add_serve(commands: Commands) -> None:
         help="write_back: KV moves down a tier when evicted; write_through: every computed "
         "chunk is also copied down at once (to disk too, for replicas sharing it); "
         "write_through_selective: a cached prefix is copied down at its second cache hit",
+    )
+    serve.add_argument(
+        "--speculative",
+        default="tree",
+        choices=SPECULATIVE_MODES,
+        help="tree: decoding requests guess their next tokens from the radix tree, their own "
+        "context and their program's siblings, verified in one pass (output unchanged); off",
+    )
+    serve.add_argument(
+        "--spec-max-draft-tokens",
+        type=_positive(int),
+        default=8,
+        metavar="N",
+        help="most tokens one request guesses per step",
     )
     serve.add_argument(
         "--max-body-bytes",
@@ -284,6 +298,8 @@ def run_serve(args: argparse.Namespace) -> int:
         disk_kv_dir=args.disk_kv_dir,
         disk_kv_gb=args.disk_kv_gb,
         kv_write_policy=args.kv_write_policy,
+        speculative=args.speculative,
+        spec_max_draft_tokens=args.spec_max_draft_tokens,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
     )

@@ -51,9 +51,9 @@ from runtime.protocol import (
 from runtime.results import error_result, result_of, stream_chunk_of
 from runtime.scheduler.request import Req
 from runtime.scheduler.scheduler import ScheduledBatch, Scheduler
-from runtime.verify import apply_logits
 from runtime.scoring import ContinuationScorer
 from runtime.summary import EngineSummary
+from runtime.verify import apply_logits
 
 
 class Engine:

@@ -109,7 +109,9 @@ class Drafter:
             if self.drafted_tokens
             else 0.0,
             # tokens a verifying step appends per request: the accepted guesses plus one
-            "spec_mean_accepted_length": (self.accepted_tokens + drafts) / drafts if drafts else 0.0,
+            "spec_mean_accepted_length": (self.accepted_tokens + drafts) / drafts
+            if drafts
+            else 0.0,
         }
 
 

@@ -414,7 +414,7 @@ class Scheduler:
             "schedule_rematches_total": self.policy.num_rematches,
             "new_token_ratio": self.new_token_ratio,
             "jump_forward_tokens_total": c["jump_forward_tokens"],
-            **(self.drafter.stats() if self.drafter is not None else {}),
+            **(self.drafter or Drafter(1, None)).stats(),  # zeros when speculation is off
             **(self.kv.tiers.stats() if self.kv.tiers is not None else {}),
         }
 

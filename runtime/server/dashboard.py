@@ -40,6 +40,8 @@ SHOWN_STATS = (  # what the page shows (the same names as in /metrics, prefixed 
     "kv_slots_total",
     "cache_tokens",
     "forward_passes_total",
+    "spec_accepted_tokens_total",
+    "spec_mean_accepted_length",
 )
 
 

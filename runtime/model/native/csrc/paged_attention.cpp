@@ -34,6 +34,7 @@ inline void prefetch_row(const scalar_t* ptr, int64_t n) {
 // accumulates in registers; out gets the heads' fp32 results, for the caller to round or merge.
 // Sequences with several new rows, windows or soft-capping take the general kernel below.
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head this path handles
+constexpr int64_t kMaxDecodeRows = 16;  // new rows of one sequence it takes (a draft + 1)
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
@@ -72,40 +73,51 @@ inline int64_t key_block(const scalar_t* pool, const int64_t* seq, int64_t j0, i
 
 template <typename scalar_t>
 void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_pool,
-                const int64_t* seq, int64_t L, float* out, float* lse, int64_t H,
+                const int64_t* seq, int64_t L, int64_t n, float* out, float* lse, int64_t H,
                 int64_t KVH, int64_t D, float scale, std::vector<float>& scores,
-                std::vector<float>& acc, int64_t hk0, int64_t hk1) {
+                std::vector<float>& acc, std::vector<float>& qf, int64_t hk0, int64_t hk1) {
   using namespace flowlang_avx512;
-  const int64_t G = H / KVH, row = KVH * D, L_pad = (L + 15) / 16 * 16;
+  // n query rows (a verified draft: row r sits at position L - n + r and sees keys up to it);
+  // the n x G query heads of a KV head share each key load. Per row the operations are a
+  // single-row decode's over its own keys, in the same order: masked keys add exact zeros.
+  const int64_t G = H / KVH, row = KVH * D, L_pad = (L + 15) / 16 * 16, NG = n * G;
   constexpr float kLog2e = 1.4426950408889634f;
-  scores.resize(H * L_pad);
-  acc.assign(H * D, 0.f);
-  alignas(64) float qf[kMaxGroup * 256], buf[16 * 256];
+  scores.resize(n * H * L_pad);
+  acc.assign(n * H * D, 0.f);
+  qf.resize(NG * D);
+  alignas(64) float buf[16 * 256];
   const float* ptrs[16];
   for (int64_t hk = hk0; hk < hk1; ++hk) {
-    for (int64_t i = 0; i < G * D; ++i)  // scores kept in base 2: exp2 below
-      qf[i] = static_cast<float>(q[hk * G * D + i]) * scale * kLog2e;
-    // scores[h][j] = q_h · k_j
+    for (int64_t vg = 0; vg < NG; ++vg)  // scores kept in base 2: exp2 below
+      for (int64_t i = 0; i < D; ++i)
+        qf[vg * D + i] =
+            static_cast<float>(q[((vg / G) * H + hk * G + vg % G) * D + i]) * scale * kLog2e;
+    // scores[r][h][j] = q_rh · k_j
     for (int64_t j0 = 0; j0 < L; j0 += 16) {
       const int64_t count = key_block(k_pool, seq, j0, L, hk, row, D, buf, ptrs);
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t vg = 0; vg < NG; ++vg) {
+        const int64_t r = vg / G, visible = std::min<int64_t>(count, L - n + r + 1 - j0);
         __m512 partial[16];
         for (int64_t jj = 0; jj < 16; ++jj) {
           __m512 sum = _mm512_setzero_ps();
           if (jj < count)
             for (int64_t c = 0; c < D; c += 16)
-              sum = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + c), _mm512_loadu_ps(ptrs[jj] + c), sum);
+              sum = _mm512_fmadd_ps(_mm512_loadu_ps(qf.data() + vg * D + c), _mm512_loadu_ps(ptrs[jj] + c), sum);
           partial[sum_slot(jj)] = sum;
         }
-        const __mmask16 valid = count == 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
-        _mm512_storeu_ps(&scores[(hk * G + g) * L_pad + j0],
+        const __mmask16 valid = visible >= 16 ? __mmask16(0xFFFF)
+                                : visible <= 0 ? __mmask16(0)
+                                               : __mmask16((1u << visible) - 1);
+        _mm512_storeu_ps(&scores[(r * H + hk * G + vg % G) * L_pad + j0],
                          _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sum_lanes16(partial)));
       }
     }
   }
   // softmax per head, in place: scores become probabilities
-  for (int64_t h = hk0 * G; h < hk1 * G; ++h) {
-    float* s = &scores[h * L_pad];
+  for (int64_t rh = 0; rh < n * H; ++rh) {
+    const int64_t h = rh % H;
+    if (h < hk0 * G || h >= hk1 * G) continue;
+    float* s = &scores[rh * L_pad];
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < L_pad; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
     const float m = _mm512_reduce_max_ps(top);
@@ -116,7 +128,7 @@ void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_poo
       _mm512_storeu_ps(s + j, e);
     }
     const float sum = _mm512_reduce_add_ps(total);
-    lse[h] = (m + std::log2(sum)) / kLog2e;
+    lse[rh] = (m + std::log2(sum)) / kLog2e;
     const __m512 inv = _mm512_set1_ps(1.f / sum);
     for (int64_t j = 0; j < L_pad; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
   }
@@ -124,9 +136,10 @@ void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_poo
   for (int64_t hk = hk0; hk < hk1; ++hk) {
     for (int64_t j0 = 0; j0 < L; j0 += 16) {
       const int64_t count = key_block(v_pool, seq, j0, L, hk, row, D, buf, ptrs);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* p = &scores[(hk * G + g) * L_pad + j0];
-        float* a = &acc[(hk * G + g) * D];
+      for (int64_t vg = 0; vg < NG; ++vg) {
+        const int64_t rh = (vg / G) * H + hk * G + vg % G;
+        const float* p = &scores[rh * L_pad + j0];
+        float* a = &acc[rh * D];
         for (int64_t c = 0; c < D; c += 16) {
           __m512 sum = _mm512_loadu_ps(a + c);
           for (int64_t jj = 0; jj < count; ++jj)
@@ -136,7 +149,8 @@ void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_poo
       }
     }
   }
-  for (int64_t i = hk0 * G * D; i < hk1 * G * D; ++i) out[i] = acc[i];
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t i = hk0 * G * D; i < hk1 * G * D; ++i) out[r * H * D + i] = acc[r * H * D + i];
 }
 #endif
 
@@ -147,50 +161,62 @@ void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_poo
 // probabilities, as the flash kernel rounds them. ND = D / 16 accumulators per head.
 template <int ND>
 void decode_one_bf16(const at::BFloat16* q, const at::BFloat16* k_pool,
-                     const at::BFloat16* v_pool, const int64_t* seq, int64_t L,
+                     const at::BFloat16* v_pool, const int64_t* seq, int64_t L, int64_t n,
                      float* out, float* lse, int64_t H, int64_t KVH, float scale,
                      std::vector<float>& scores, std::vector<float>& acc, int64_t hk0, int64_t hk1) {
   using namespace flowlang_avx512;
   constexpr int64_t D = 16 * ND, NZ = ND / 2;  // NZ zmm of 32 bf16 per row
   constexpr float kLog2e = 1.4426950408889634f;
-  const int64_t G = H / KVH, row = KVH * D, L_pad = (L + 15) / 16 * 16;
-  scores.resize(H * L_pad);
-  acc.resize(H * L_pad / 2);  // the probabilities as bf16 pairs
+  // n rows as in decode_one: the n x G query heads of a KV head go in chunks of at most
+  // kMaxGroup (registers), each chunk reading the KV head's rows once
+  const int64_t G = H / KVH, row = KVH * D, L_pad = (L + 15) / 16 * 16, NG = n * G;
+  scores.resize(n * H * L_pad);
+  acc.resize(n * H * L_pad / 2);  // the probabilities as bf16 pairs
   const __m512 factor = _mm512_set1_ps(scale * kLog2e);  // scores in base 2: exp2 below
+  const uint16_t* qbits = reinterpret_cast<const uint16_t*>(q);
+  auto head_of = [&](int64_t hk, int64_t vg) { return (vg / G) * H + hk * G + vg % G; };
   for (int64_t hk = hk0; hk < hk1; ++hk) {
-    const uint16_t* qh = reinterpret_cast<const uint16_t*>(q) + hk * G * D;
-    for (int64_t j0 = 0; j0 < L; j0 += 16) {
-      const int64_t count = std::min<int64_t>(16, L - j0);
-      for (int64_t jj = 0; jj < count && j0 + 16 + jj < L; ++jj)
-        prefetch_row(k_pool + seq[j0 + 16 + jj] * row + hk * D, D);
-      __m512 partial[kMaxGroup][16];
-      for (int64_t jj = 0; jj < 16; ++jj) {
-        if (jj >= count) {
-          for (int64_t g = 0; g < G; ++g) partial[g][sum_slot(jj)] = _mm512_setzero_ps();
-          continue;
+    for (int64_t vg0 = 0; vg0 < NG; vg0 += kMaxGroup) {
+      const int64_t vg1 = std::min<int64_t>(NG, vg0 + kMaxGroup);
+      for (int64_t j0 = 0; j0 < L; j0 += 16) {
+        const int64_t count = std::min<int64_t>(16, L - j0);
+        for (int64_t jj = 0; jj < count && j0 + 16 + jj < L; ++jj)
+          prefetch_row(k_pool + seq[j0 + 16 + jj] * row + hk * D, D);
+        __m512 partial[kMaxGroup][16];
+        for (int64_t jj = 0; jj < 16; ++jj) {
+          if (jj >= count) {
+            for (int64_t vg = vg0; vg < vg1; ++vg) partial[vg - vg0][sum_slot(jj)] = _mm512_setzero_ps();
+            continue;
+          }
+          const at::BFloat16* kr = k_pool + seq[j0 + jj] * row + hk * D;
+          __m512i kz[NZ];
+          for (int c = 0; c < NZ; ++c) kz[c] = _mm512_loadu_si512(kr + 32 * c);
+          for (int64_t vg = vg0; vg < vg1; ++vg) {
+            const uint16_t* qh = qbits + head_of(hk, vg) * D;
+            __m512 sum = _mm512_setzero_ps();
+            for (int c = 0; c < NZ; ++c)
+              sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(qh + 32 * c), (__m512bh)kz[c]);
+            partial[vg - vg0][sum_slot(jj)] = sum;
+          }
         }
-        const at::BFloat16* kr = k_pool + seq[j0 + jj] * row + hk * D;
-        __m512i kz[NZ];
-        for (int c = 0; c < NZ; ++c) kz[c] = _mm512_loadu_si512(kr + 32 * c);
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 sum = _mm512_setzero_ps();
-          for (int c = 0; c < NZ; ++c)
-            sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(qh + g * D + 32 * c),
-                                   (__m512bh)kz[c]);
-          partial[g][sum_slot(jj)] = sum;
+        for (int64_t vg = vg0; vg < vg1; ++vg) {
+          const int64_t visible = std::min<int64_t>(count, L - n + vg / G + 1 - j0);
+          const __mmask16 valid = visible >= 16 ? __mmask16(0xFFFF)
+                                  : visible <= 0 ? __mmask16(0)
+                                                 : __mmask16((1u << visible) - 1);
+          _mm512_storeu_ps(&scores[head_of(hk, vg) * L_pad + j0],
+                           _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid,
+                                              sum_lanes16(partial[vg - vg0]), factor));
         }
       }
-      const __mmask16 valid = count == 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
-      for (int64_t g = 0; g < G; ++g)
-        _mm512_storeu_ps(&scores[(hk * G + g) * L_pad + j0],
-                         _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid,
-                                            sum_lanes16(partial[g]), factor));
     }
   }
   // softmax per head; probabilities normalized, then rounded to bf16 pairs
   uint16_t* probs = reinterpret_cast<uint16_t*>(acc.data());
-  for (int64_t h = hk0 * G; h < hk1 * G; ++h) {
-    float* s = &scores[h * L_pad];
+  for (int64_t rh = 0; rh < n * H; ++rh) {
+    const int64_t h = rh % H;
+    if (h < hk0 * G || h >= hk1 * G) continue;
+    float* s = &scores[rh * L_pad];
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < L_pad; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
@@ -201,11 +227,11 @@ void decode_one_bf16(const at::BFloat16* q, const at::BFloat16* k_pool,
       _mm512_storeu_ps(s + j, e);
     }
     const float sum = _mm512_reduce_add_ps(total);
-    lse[h] = (_mm512_reduce_max_ps(top) + std::log2(sum)) / kLog2e;
+    lse[rh] = (_mm512_reduce_max_ps(top) + std::log2(sum)) / kLog2e;
     const __m512 inv = _mm512_set1_ps(1.f / sum);
     for (int64_t j = 0; j < L_pad; j += 16) {
       const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(s + j), inv);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + h * L_pad + j),
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + rh * L_pad + j),
                           (__m256i)_mm512_cvtneps_pbh(p));
     }
   }
@@ -216,59 +242,63 @@ void decode_one_bf16(const at::BFloat16* q, const at::BFloat16* k_pool,
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
   alignas(64) uint32_t pairs[8 * D];  // 8 key pairs: lane d holds (v_2t[d], v_2t+1[d])
   for (int64_t hk = hk0; hk < hk1; ++hk) {
-    __m512 sums[kMaxGroup][ND];
-    for (int64_t g = 0; g < G; ++g)
-      for (int c = 0; c < ND; ++c) sums[g][c] = _mm512_setzero_ps();
-    for (int64_t j0 = 0; j0 < L; j0 += 16) {
-      const int64_t count = std::min<int64_t>(16, L - j0);
-      for (int64_t jj = 0; jj < count && j0 + 16 + jj < L; ++jj)
-        prefetch_row(v_pool + seq[j0 + 16 + jj] * row + hk * D, D);
-      const int64_t num_pairs = (count + 1) / 2;
-      for (int64_t t = 0; t < num_pairs; ++t) {
-        const at::BFloat16* va = v_pool + seq[j0 + 2 * t] * row + hk * D;
-        const bool odd = j0 + 2 * t + 1 >= L;  // no second key: its probability is 0
-        const at::BFloat16* vb = odd ? va : v_pool + seq[j0 + 2 * t + 1] * row + hk * D;
-        for (int c = 0; c < NZ; ++c) {
-          const __m512i a = _mm512_loadu_si512(va + 32 * c), b = _mm512_loadu_si512(vb + 32 * c);
-          _mm512_storeu_si512(pairs + t * D + 32 * c, _mm512_permutex2var_epi16(a, lo_idx, b));
-          _mm512_storeu_si512(pairs + t * D + 32 * c + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const uint32_t* pp = reinterpret_cast<const uint32_t*>(probs + (hk * G + g) * L_pad + j0);
+    for (int64_t vg0 = 0; vg0 < NG; vg0 += kMaxGroup) {
+      const int64_t vg1 = std::min<int64_t>(NG, vg0 + kMaxGroup);
+      __m512 sums[kMaxGroup][ND];
+      for (int64_t vg = vg0; vg < vg1; ++vg)
+        for (int c = 0; c < ND; ++c) sums[vg - vg0][c] = _mm512_setzero_ps();
+      for (int64_t j0 = 0; j0 < L; j0 += 16) {
+        const int64_t count = std::min<int64_t>(16, L - j0);
+        for (int64_t jj = 0; jj < count && j0 + 16 + jj < L; ++jj)
+          prefetch_row(v_pool + seq[j0 + 16 + jj] * row + hk * D, D);
+        const int64_t num_pairs = (count + 1) / 2;
         for (int64_t t = 0; t < num_pairs; ++t) {
-          const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[t]));
-          for (int c = 0; c < ND; ++c)
-            sums[g][c] = _mm512_dpbf16_ps(sums[g][c], p, (__m512bh)_mm512_loadu_si512(pairs + t * D + 16 * c));
+          const at::BFloat16* va = v_pool + seq[j0 + 2 * t] * row + hk * D;
+          const bool odd = j0 + 2 * t + 1 >= L;  // no second key: its probability is 0
+          const at::BFloat16* vb = odd ? va : v_pool + seq[j0 + 2 * t + 1] * row + hk * D;
+          for (int c = 0; c < NZ; ++c) {
+            const __m512i a = _mm512_loadu_si512(va + 32 * c), b = _mm512_loadu_si512(vb + 32 * c);
+            _mm512_storeu_si512(pairs + t * D + 32 * c, _mm512_permutex2var_epi16(a, lo_idx, b));
+            _mm512_storeu_si512(pairs + t * D + 32 * c + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
+          }
+        }
+        for (int64_t vg = vg0; vg < vg1; ++vg) {
+          const uint32_t* pp = reinterpret_cast<const uint32_t*>(probs + head_of(hk, vg) * L_pad + j0);
+          for (int64_t t = 0; t < num_pairs; ++t) {
+            const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[t]));
+            for (int c = 0; c < ND; ++c)
+              sums[vg - vg0][c] = _mm512_dpbf16_ps(sums[vg - vg0][c], p, (__m512bh)_mm512_loadu_si512(pairs + t * D + 16 * c));
+          }
         }
       }
+      for (int64_t vg = vg0; vg < vg1; ++vg)
+        for (int c = 0; c < ND; ++c)
+          _mm512_storeu_ps(out + head_of(hk, vg) * D + 16 * c, sums[vg - vg0][c]);
     }
-    for (int64_t g = 0; g < G; ++g)
-      for (int c = 0; c < ND; ++c) _mm512_storeu_ps(out + (hk * G + g) * D + 16 * c, sums[g][c]);
   }
 }
 #endif
 
 #if defined(__AVX512F__)
-// Whether `decode_heads` takes a single-row decode of this shape.
+// Whether `decode_heads` takes a decode of this shape (a few rows: a verified draft).
 inline bool vector_decode(int64_t D, int64_t G) { return D % 16 == 0 && D <= 256 && G <= kMaxGroup; }
 
-// A single-row decode of KV heads [hk0, hk1) over L keys at `seq`: fp32 out (H, D) and lse
-// (H,), written for those heads only.
+// A decode of n rows (causal among them) of KV heads [hk0, hk1) over L keys at `seq`: fp32
+// out (n, H, D) and lse (n, H), written for those heads only.
 template <typename scalar_t>
 void decode_heads(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_pool,
-                  const int64_t* seq, int64_t L, float* out, float* lse, int64_t H, int64_t KVH,
-                  int64_t D, float scale, std::vector<float>& scores, std::vector<float>& acc,
-                  int64_t hk0, int64_t hk1) {
+                  const int64_t* seq, int64_t L, int64_t n, float* out, float* lse, int64_t H,
+                  int64_t KVH, int64_t D, float scale, std::vector<float>& scores,
+                  std::vector<float>& acc, std::vector<float>& qf, int64_t hk0, int64_t hk1) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
     if (D == 64)
-      return decode_one_bf16<4>(q, k_pool, v_pool, seq, L, out, lse, H, KVH, scale, scores, acc, hk0, hk1);
+      return decode_one_bf16<4>(q, k_pool, v_pool, seq, L, n, out, lse, H, KVH, scale, scores, acc, hk0, hk1);
     if (D == 128)
-      return decode_one_bf16<8>(q, k_pool, v_pool, seq, L, out, lse, H, KVH, scale, scores, acc, hk0, hk1);
+      return decode_one_bf16<8>(q, k_pool, v_pool, seq, L, n, out, lse, H, KVH, scale, scores, acc, hk0, hk1);
   }
 #endif
-  decode_one(q, k_pool, v_pool, seq, L, out, lse, H, KVH, D, scale, scores, acc, hk0, hk1);
+  decode_one(q, k_pool, v_pool, seq, L, n, out, lse, H, KVH, D, scale, scores, acc, qf, hk0, hk1);
 }
 #endif
 
@@ -303,7 +333,7 @@ void attention_kernel(
   // attends to keys [max(0, pos - window + 1), pos].
   const int64_t parts = B < 4 * at::get_num_threads() ? KVH : 1;
   at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, acc, scores, rowf(row), head_out(H * D);
+    std::vector<float> qf, acc, scores, rowf(row), head_out;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / parts, part = task % parts;
       const int64_t hk0 = parts == 1 ? 0 : part, hk1 = parts == 1 ? KVH : part + 1;
@@ -312,11 +342,14 @@ void attention_kernel(
       const int64_t* seq = slots + kv_indptr[b];
 #if defined(__AVX512F__)
       if constexpr (!std::is_same_v<scalar_t, double>) {
-        if (n == 1 && window == 0 && softcap == 0.f && vector_decode(D, G)) {
+        if (n <= kMaxDecodeRows && window == 0 && softcap == 0.f && vector_decode(D, G)) {
           scalar_t* ob = out + qo_indptr[b] * H * D;
-          decode_heads(q + qo_indptr[b] * H * D, k_pool, v_pool, seq, L, head_out.data(),
-                       lse + qo_indptr[b] * H, H, KVH, D, scale, scores, acc, hk0, hk1);
-          store_rounded(ob + hk0 * G * D, head_out.data() + hk0 * G * D, (hk1 - hk0) * G * D);
+          head_out.resize(n * H * D);
+          decode_heads(q + qo_indptr[b] * H * D, k_pool, v_pool, seq, L, n, head_out.data(),
+                       lse + qo_indptr[b] * H, H, KVH, D, scale, scores, acc, qf, hk0, hk1);
+          for (int64_t r = 0; r < n; ++r)
+            store_rounded(ob + (r * H + hk0 * G) * D, head_out.data() + (r * H + hk0 * G) * D,
+                          (hk1 - hk0) * G * D);
           continue;
         }
       }
@@ -395,15 +428,16 @@ void decode_merge_kernel(const scalar_t* q, const scalar_t* k_pool, const scalar
   const int64_t G = H / KVH;
   const int64_t parts = B < 4 * at::get_num_threads() ? KVH : 1;
   at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc, scores, head_out(H * D), head_lse(H);
+    std::vector<float> acc, scores, qf, head_out(H * D), head_lse(H);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / parts, part = task % parts;
       const int64_t hk0 = parts == 1 ? 0 : part, hk1 = parts == 1 ? KVH : part + 1;
       const int64_t L = kv_indptr[b + 1] - kv_indptr[b];
       const int64_t h0 = hk0 * G, h1 = hk1 * G;
       if (L > 0)
-        decode_heads(q + rows[b] * H * D, k_pool, v_pool, slots + kv_indptr[b], L,
-                     head_out.data(), head_lse.data(), H, KVH, D, scale, scores, acc, hk0, hk1);
+        decode_heads(q + rows[b] * H * D, k_pool, v_pool, slots + kv_indptr[b], L, 1,
+                     head_out.data(), head_lse.data(), H, KVH, D, scale, scores, acc, qf, hk0,
+                     hk1);
       for (int64_t h = h0; h < h1; ++h) {
         const float lse_a = prefix_lse[b * H + h], lse_b = L > 0 ? head_lse[h] : -INFINITY;
         const float top = std::max(lse_a, lse_b);
