@@ -175,10 +175,12 @@ def test_the_page_renders_in_chromium_and_shows_what_metrics_says(keyed, tmp_pat
     finally:
         driver.quit()
     assert metrics(url, ADMIN_KEY) == expected, "the server was not idle while the page looked"
-    assert len(shown) == 12
+    assert len(shown) == 14
     for name, text in shown.items():
         if name == "cache_hit_rate":
             assert float(text.rstrip("%")) == pytest.approx(100 * expected[name], abs=0.05)
+        elif name == "spec_mean_accepted_length":
+            assert float(text) == pytest.approx(expected[name], abs=0.005)
         else:
             assert int(text.replace(",", "")) == expected[name], name
     assert expected["requests_finished_total"] >= 3 and expected["num_pins"] == 1
