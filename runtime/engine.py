@@ -169,13 +169,16 @@ class Engine:
             return False
         if self.cpu_share is not None:
             self.cpu_share.update()  # the cores other processes leave free, read once a second
+        start = time.perf_counter()
         try:
             logits = self.runner.forward(batch.forward)
         except Exception:  # noqa: BLE001 - find the request that breaks it, fail only that one
             log_failure("a forward pass failed; retrying its requests one by one")
             self._run_one_by_one(batch)
             return True
-        self.scheduler.process(batch, apply_logits(batch, logits, self._jump_forward))
+        outcomes = apply_logits(batch, logits, self._jump_forward)
+        self.scheduler.observe_step(batch, time.perf_counter() - start)
+        self.scheduler.process(batch, outcomes)
         return True
 
     def _run_one_by_one(self, batch: ScheduledBatch) -> None:

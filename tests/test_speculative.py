@@ -419,3 +419,21 @@ def test_every_family_decodes_the_same_with_guesses(kind, tmp_path):
     assert [r.output_ids for r in first] == [r.output_ids for r in plain]
     assert [r.output_ids for r in again] == [r.output_ids for r in plain]
     assert stats["spec_accepted_tokens_total"] >= len(reqs) * 8
+
+
+def test_step_costs_decide_how_long_a_draft_pays():
+    from runtime.scheduler.step_costs import StepCosts
+
+    costs = StepCosts()
+    assert costs.worth(1, 0.5, 8) == 8  # nothing measured yet: the request's own length
+    for step in range(40):
+        drafted = step % 5
+        costs.observe(1, drafted, 0.040 + 0.004 * drafted)  # memory-bound: rho = 0.1
+        costs.observe(8, drafted * 8, 0.100 + 0.0045 * drafted * 8)  # rho = 0.36
+    t0, per_token = costs.fit(1)
+    assert t0 == pytest.approx(0.040) and per_token == pytest.approx(0.004)
+    assert costs.worth(1, 0.55, 8) == 3  # 0.55^3 > 0.1 > 0.55^4
+    assert costs.worth(1, 0.95, 8) == 8
+    assert costs.worth(8, 0.55, 8) == 1  # 0.55 > 0.36 > 0.55^2
+    assert costs.worth(8, 0.3, 8) == 0
+    assert costs.fit(4) is None and costs.worth(4, 0.3, 6) == 6

@@ -137,7 +137,7 @@ def decode_cell(engine: Engine, groups: list[list[GenerateRequest]]) -> dict:
 
 
 def fork_cell(engine: Engine, questions: list[str]) -> dict:
-    from flowlang.backend import LocalBackend
+    from flowlang import LocalBackend
 
     engine.flush_cache()
     before = engine.stats()

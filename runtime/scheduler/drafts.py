@@ -9,6 +9,8 @@ A guess is verified by the target model in the same step (verify.py), so a wrong
 only the extra rows of that forward pass. Each request adapts: its guess length follows how
 much was accepted, and after a guess that missed entirely it waits 1, 3, 7, 15 steps before
 guessing again, so a request with nothing to copy costs a lookup per step and little else.
+And the length is capped by what the steps are measured to cost (step_costs.py): each guessed
+token must be expected to add more than its share of the step's time.
 """
 
 from __future__ import annotations
@@ -17,16 +19,19 @@ from collections.abc import Iterable
 
 from runtime.cache.token_index import MAX_MATCH, NGRAM, TokenIndex
 from runtime.scheduler.request import Req
+from runtime.scheduler.step_costs import StepCosts
 
 FIRST_DRAFT_TOKENS = 4
 MAX_COOLDOWN_STEPS = 15
 MAX_SIBLINGS = 8  # running siblings a draft looks at
+ACCEPT_DECAY = 0.9  # per verification: a request's acceptance follows its recent guesses
+PRIOR_WEIGHT = 2.0  # a new request's acceptance starts as this many of everyone's guesses
 
 
 class SpecState:
     """One request's drafting state: its own trigram index and how its guesses went."""
 
-    __slots__ = ("grams", "indexed", "draft_len", "misses", "cooldown")
+    __slots__ = ("grams", "indexed", "draft_len", "misses", "cooldown", "hits", "stops")
 
     def __init__(self, draft_len: int) -> None:
         self.grams: dict[tuple[int, int, int], int] = {}  # trigram -> where it last ended
@@ -34,6 +39,13 @@ class SpecState:
         self.draft_len = draft_len
         self.misses = 0  # guesses in a row with nothing accepted
         self.cooldown = 0  # steps left without guessing
+        self.hits = 0.0  # decayed: guessed tokens accepted
+        self.stops = 0.0  # decayed: guesses cut short by a rejected token
+
+    def alpha(self, prior: float) -> float:
+        """Per-token acceptance: the chance the next guessed token is right, given the
+        previous one was (geometric: accepted / (accepted + rejections))."""
+        return (self.hits + PRIOR_WEIGHT * prior) / (self.hits + self.stops + PRIOR_WEIGHT)
 
 
 class Drafter:
@@ -45,14 +57,23 @@ class Drafter:
         self.drafted_tokens = 0
         self.accepted_tokens = 0
         self.verified_drafts = 0
+        self.costs = StepCosts()
+        self._hits = self._stops = 1.0  # everyone's, decayed: new requests' prior
 
-    def draft(self, req: Req, running: Iterable[Req]) -> list[int]:
-        """Up to the request's draft length of guessed tokens; [] to decode plainly."""
+    def draft(self, req: Req, running: Iterable[Req], num_decodes: int = 1) -> list[int]:
+        """Up to the request's draft length of guessed tokens, in a step of `num_decodes`
+        decoding requests; [] to decode plainly."""
         state = self._state(req)
         if state.cooldown:
             state.cooldown -= 1
             return []
         limit = min(state.draft_len, req.remaining_new_tokens - 1)
+        prior = self._hits / (self._hits + self._stops)
+        worth = self.costs.worth(num_decodes, state.alpha(prior), limit)
+        if worth == 0 and limit > 0:  # not worth it now: one token now and then, to re-learn
+            state.cooldown = MAX_COOLDOWN_STEPS
+            worth = 1
+        limit = worth
         n = req.num_tokens
         if limit <= 0 or n < NGRAM:
             return []
@@ -89,6 +110,11 @@ class Drafter:
         self.accepted_tokens += num_accepted
         self.verified_drafts += 1
         state = req.spec
+        stopped = float(num_accepted < num_drafted)
+        state.hits = state.hits * ACCEPT_DECAY + num_accepted
+        state.stops = state.stops * ACCEPT_DECAY + stopped
+        self._hits = self._hits * ACCEPT_DECAY + num_accepted
+        self._stops = self._stops * ACCEPT_DECAY + stopped
         if num_accepted == num_drafted:
             state.draft_len = min(self.max_draft_tokens, state.draft_len * 2)
         else:

@@ -155,7 +155,7 @@ class Scheduler:
                 if r.is_decoding
             ]
             if self.drafter is not None and len(entries) <= self.config.spec_max_batch:
-                entries = [self._with_draft(e) for e in entries]
+                entries = [self._with_draft(e, len(entries)) for e in entries]
             budget = self.config.chunked_prefill_tokens
             for req in [r for r in self.running if not r.is_decoding]:
                 num_new = min(req.num_tokens - req.num_computed, budget)
@@ -173,11 +173,11 @@ class Scheduler:
             else:
                 self.retract(max(self.running, key=lambda r: r.admit_seq))
 
-    def _with_draft(self, entry: BatchEntry) -> BatchEntry:
+    def _with_draft(self, entry: BatchEntry, num_decodes: int) -> BatchEntry:
         """A decode entry with the request's guess of what follows, if it has one and free
         slots hold it (a guess never evicts anything)."""
         req = entry.req
-        draft = self.drafter.draft(req, self.running)
+        draft = self.drafter.draft(req, self.running, num_decodes)
         if not draft or not self.kv.grow_if_free(req, req.num_tokens + len(draft)):
             return entry
         return replace(entry, draft=tuple(draft))
@@ -337,6 +337,14 @@ class Scheduler:
                 self._complete(req)
         ratio = self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, ratio)
+
+    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        """A step's forward + sample/verify time: pure decode steps teach the drafter what
+        guessed tokens cost."""
+        if self.drafter is None or not all(e.is_decode for e in batch.entries):
+            return
+        extra = sum(len(e.draft) + e.num_new - 1 for e in batch.entries)
+        self.drafter.costs.observe(len(batch.entries), extra, seconds)
 
     def _sampled(self, req: Req, outcome: EntryOutcome) -> None:
         if outcome.error is not None:
