@@ -200,10 +200,10 @@ def add_serve(commands: Commands) -> None:
     )
     serve.add_argument(
         "--speculative",
-        default="tree",
+        default="off",
         choices=SPECULATIVE_MODES,
         help="tree: decoding requests guess their next tokens from the radix tree, their own "
-        "context and their program's siblings, verified in one pass (output unchanged); off",
+        "context and their program's siblings, verified in one pass; off (the default)",
     )
     serve.add_argument(
         "--spec-max-draft-tokens",

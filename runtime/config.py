@@ -91,10 +91,10 @@ class EngineConfig(BaseModel):
         True, description="append grammar-forced text without sampling (constrained requests)"
     )
     speculative: str = Field(
-        "tree",
+        "off",
         description="tree: decoding requests guess their next tokens from what the engine "
         "holds (the radix tree, their own context, their program's siblings) and verify the "
-        "guesses in one forward pass, output unchanged; off: one token per step",
+        "guesses in one forward pass; off: one token per step (docs/speculative.md)",
     )
     spec_max_draft_tokens: int = Field(
         8, ge=1, le=64, description="most tokens one request guesses per step"
