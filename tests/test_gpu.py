@@ -26,6 +26,23 @@ def load_bench():
     return module
 
 
+def agree_until_near_ties(results, reference) -> None:
+    """Greedy tokens agree with the reference's until the first step where its top two
+    logprobs tie within bf16 noise (contexts differ after it), and on most tokens overall."""
+    compared = agreed = 0
+    for got_result, want_result in zip(results, reference, strict=True):
+        for got, want, logprob in zip(
+            got_result.output_ids, want_result.output_ids, want_result.logprobs, strict=True
+        ):
+            compared += 1
+            if got != want:
+                (_, first), (_, second) = logprob.top[:2]
+                assert first - second < 0.1, "the outputs differ at a clear choice"
+                break
+            agreed += 1
+    assert agreed >= 0.8 * compared
+
+
 def test_auto_backend_selection():
     assert choose_backend("cuda", flashinfer_importable=True) == "flashinfer"
     assert choose_backend("cuda", flashinfer_importable=False) == "torch"  # the GPU fallback
@@ -203,18 +220,7 @@ def test_engine_decodes_token_for_token_with_graphs():
             replays = engine.stats()["cuda_graph_replays_total"]
             assert engine.stats()["attention_backend"] == "flashinfer"
             assert (replays > 0) if graphs_on else (replays == 0)
-    compared = agreed = 0
-    for with_graphs, eager in zip(results[True], results[False], strict=True):
-        for got, want, logprob in zip(
-            with_graphs.output_ids, eager.output_ids, eager.logprobs, strict=True
-        ):
-            compared += 1
-            if got != want:
-                (_, first), (_, second) = logprob.top[:2]
-                assert first - second < 0.1, "graph and eager decodes differ at a clear choice"
-                break
-            agreed += 1
-    assert agreed >= 0.8 * compared
+    agree_until_near_ties(results[True], results[False])
 
 
 @pytest.mark.gpu
@@ -250,18 +256,7 @@ def test_speculative_decoding_on_the_device():
             results[mode] = engine.generate(reqs)
             stats[mode] = engine.stats()
     assert stats["tree"]["spec_accepted_tokens_total"] > 0
-    compared = agreed = 0
-    for spec, plain in zip(results["tree"], results["off"], strict=True):
-        for got, want, logprob in zip(
-            spec.output_ids, plain.output_ids, plain.logprobs, strict=True
-        ):
-            compared += 1
-            if got != want:
-                (_, first), (_, second) = logprob.top[:2]
-                assert first - second < 0.1, "speculation changed a clear greedy choice"
-                break
-            agreed += 1
-    assert agreed >= 0.8 * compared
+    agree_until_near_ties(results["tree"], results["off"])
 
 
 @pytest.mark.gpu

@@ -25,6 +25,7 @@ from runtime.scheduler.scheduler import ScheduledBatch, Scheduler
 from runtime.verify import apply_logits
 
 VOCAB = 11
+pytestmark = pytest.mark.usefixtures("engine_steps_checked")  # engine tests: checks every step
 
 
 # ---------------------------------------------------------------- the token index
@@ -290,18 +291,6 @@ def test_unseeded_sampling_keeps_the_distribution():
 
 
 # ---------------------------------------------------------------- the engine, tiny model
-@pytest.fixture(autouse=True)
-def integrity_after_every_step(monkeypatch):
-    original = Engine.step
-
-    def checked_step(self):
-        progressed = original(self)
-        self.scheduler.check_integrity()
-        return progressed
-
-    monkeypatch.setattr(Engine, "step", checked_step)
-
-
 def engine_outputs(model_dir, reqs, **settings):
     config = EngineConfig(model=str(model_dir), max_kv_tokens=8192, **settings)
     with Engine(config) as engine:

@@ -89,7 +89,7 @@ class Drafter:
             )
             for _, sibling in zip(range(MAX_SIBLINGS), siblings, strict=False):
                 self._state(sibling)
-                _index_upto(sibling, sibling.num_tokens)
+                _index_upto(sibling, sibling.num_tokens - 1)  # as its own drafts index it
                 matched, guess = _lookup(sibling, tail, limit)
                 if (matched, len(guess)) > (best_len, len(best)):
                     best_len, best = matched, guess

@@ -216,24 +216,15 @@ class KVManager:
         req.num_loaded += loaded
         self.cache_prefix(req)
 
-    def grow(self, req: Req, upto: int) -> bool:
-        """Make req.slots cover `upto` tokens (whole pages), evicting if needed."""
+    def grow(self, req: Req, upto: int, evict: bool = True) -> bool:
+        """Make req.slots cover `upto` tokens (whole pages), evicting if needed and allowed
+        (a speculative draft takes free slots only)."""
         short = upto - req.capacity
         if short <= 0:
             return True
         num_tokens = -(-short // self.page_size) * self.page_size
-        if not self.make_room(num_tokens):
-            return False
-        req.slots = torch.cat([req.slots, self.allocator.alloc(num_tokens)])
-        return True
-
-    def grow_if_free(self, req: Req, upto: int) -> bool:
-        """`grow` from free slots only (a speculative draft never evicts cached KV)."""
-        short = upto - req.capacity
-        if short <= 0:
-            return True
-        num_tokens = -(-short // self.page_size) * self.page_size
-        if num_tokens > self.allocator.num_free_slots:
+        room = self.make_room(num_tokens) if evict else num_tokens <= self.allocator.num_free_slots
+        if not room:
             return False
         req.slots = torch.cat([req.slots, self.allocator.alloc(num_tokens)])
         return True

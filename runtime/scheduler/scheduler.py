@@ -178,7 +178,7 @@ class Scheduler:
         slots hold it (a guess never evicts anything)."""
         req = entry.req
         draft = self.drafter.draft(req, self.running, num_decodes)
-        if not draft or not self.kv.grow_if_free(req, req.num_tokens + len(draft)):
+        if not draft or not self.kv.grow(req, req.num_tokens + len(draft), evict=False):
             return entry
         return replace(entry, draft=tuple(draft))
 
