@@ -242,6 +242,14 @@ def add_serve(commands: Commands) -> None:
         "(default: no limit)",
     )
     serve.add_argument(
+        "--drain-timeout",
+        type=_non_negative(float),
+        default=10.0,
+        metavar="SECONDS",
+        help="on SIGTERM or SIGINT: seconds for running requests to finish while new ones get "
+        "503; those still running then get a 503 (or a stream's error frame), and it exits 0",
+    )
+    serve.add_argument(
         "--replicas",
         type=_positive(int),
         default=1,
@@ -325,6 +333,7 @@ def run_serve(args: argparse.Namespace) -> int:
         pin_lease_seconds=args.pin_lease_seconds,
         head_timeout_s=args.head_timeout,
         request_timeout_s=args.request_timeout,
+        drain_timeout=args.drain_timeout,
     )
     if args.replicas > 1 or args.ray_address:
         from runtime.cluster.cluster import ClusterConfig
@@ -335,10 +344,8 @@ def run_serve(args: argparse.Namespace) -> int:
         cluster = ClusterConfig(
             args.replicas, router, args.ray_address, num_gpus_per_replica=args.gpus_per_replica
         )
-        serve_cluster(config, cluster, settings, sock)
-    else:
-        serve(config, settings, sock)
-    return 0
+        return serve_cluster(config, cluster, settings, sock)
+    return serve(config, settings, sock)
 
 
 def engine_config(**fields: Any) -> EngineConfig:
@@ -402,6 +409,19 @@ def _positive(kind: type) -> Any:
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return parse
+
+
+def _non_negative(kind: type) -> Any:
+    """An argparse type: a number of `kind`, zero or more."""
+
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not value >= 0:
+            raise argparse.ArgumentTypeError(f"{text} is below zero")
+        return value
+
+    parse.__name__ = kind.__name__
     return parse
 
 

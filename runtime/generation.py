@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import regex
 import torch
 
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.model.sampler import SamplerState
 from runtime.protocol import SamplingParams
+from runtime.stop_regex import MAX_PROGRAM_LEN, StopRegexMatcher
 
 
 class GenerationState:
@@ -161,7 +161,9 @@ class GenerationState:
 
 class _RegexStops:
     """stop_regex over a growing text: the first non-empty match, and where one could still
-    begin (text before that can be streamed, and later searches start there).
+    begin (text before that can be streamed). Each pattern runs as a linear-time automaton
+    (runtime/stop_regex.py) fed only the new text, so a token costs the same whatever came
+    before it and whatever the pattern.
 
     Semantics are those of "the text so far contains a match": a pattern is checked after
     every token, so a greedy `\\d+` stops at the first digit and `end\\b` stops at "end" even
@@ -169,39 +171,32 @@ class _RegexStops:
     """
 
     def __init__(self, patterns: list[str]) -> None:
-        self.patterns = [(p, regex.compile(p)) for p in patterns]
-        self.search_from = 0  # no match can begin before this position any more
+        self.matchers: list[StopRegexMatcher] = []
+        budget = MAX_PROGRAM_LEN  # all of a request's patterns together
+        for pattern in patterns:
+            matcher = StopRegexMatcher(pattern, max_len=budget)
+            budget -= len(matcher.prog)
+            self.matchers.append(matcher)
+
+    @property
+    def search_from(self) -> int:
+        """No match can begin before this position any more."""
+        return min(m.search_from for m in self.matchers)
+
+    @property
+    def num_steps(self) -> int:
+        """Automaton steps taken so far, every pattern together (the matching's cost)."""
+        return sum(m.num_steps for m in self.matchers)
 
     def scan(self, text: str, may_stop: bool) -> tuple[int, int, str] | None:
-        """The earliest match (start, end, pattern), if any; before min_new_tokens none counts
-        and the text so far is passed over (matches must begin after the minimum)."""
-        if not may_stop:
-            self.search_from = len(text)
-            return None
+        """The earliest match (start, end, pattern), if any, reading what `text` added since
+        the last scan; before min_new_tokens none counts and the text is passed over (matches
+        must begin after the minimum)."""
         hits = []
-        for pattern, compiled in self.patterns:
-            match = _first_non_empty(compiled, text, self.search_from, partial=False)
-            if match is not None:
-                hits.append((match.start(), match.end(), pattern))
-        if hits:
-            return min(hits, key=lambda hit: hit[0])
-        # no match yet: the earliest partial match is where a future one could begin
-        partials = [
-            _first_non_empty(compiled, text, self.search_from, partial=True)
-            for _, compiled in self.patterns
-        ]
-        self.search_from = min((m.start() for m in partials if m is not None), default=len(text))
-        return None
-
-
-def _first_non_empty(
-    compiled: regex.Pattern, text: str, pos: int, partial: bool
-) -> regex.Match | None:
-    """The leftmost match from `pos` that is non-empty (or partial): an empty match such as
-    `a*` finds everywhere would otherwise stop every request at once."""
-    while pos <= len(text):
-        match = compiled.search(text, pos, partial=partial)
-        if match is None or match.end() > match.start() or match.partial:
-            return match
-        pos = match.start() + 1
-    return None
+        for matcher in self.matchers:
+            new_text = text[matcher.num_fed :]
+            if not may_stop:
+                matcher.skip(new_text)
+            elif (match := matcher.feed(new_text)) is not None:
+                hits.append((*match, matcher.pattern))
+        return min(hits, key=lambda hit: hit[0]) if hits else None

@@ -33,6 +33,7 @@ class RequestHandle:
         self._loop = loop
         self._deltas: queue.Queue = queue.Queue()
         self._adeltas: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
+        self._read = False  # a chunk went to an async reader (set on the event loop)
 
     def result(self, timeout: float | None = None) -> GenerateResult:
         return self.future.result(timeout)
@@ -64,10 +65,35 @@ class RequestHandle:
     async def achunks(self) -> AsyncIterator[StreamChunk]:
         """Everything produced since the previous chunk, for handles submitted with a loop."""
         while (chunk := await self._adeltas.get()) is not _DONE:
+            self._read = True
             yield chunk
 
     def cancel(self) -> None:
         self._cancel(self.rid)
+
+    def retract(self, timeout_s: float) -> bool:
+        """Drop the chunks pushed so far, unless a reader took one: True if dropped (a replica
+        died and the request runs again elsewhere: a reader then sees only the second run).
+        Runs on the event loop, after the pushes before it, so no reader can take one
+        meanwhile. A handle without a loop cannot be checked against its reader: never."""
+        if self._loop is None:
+            return False
+        dropped: Future[bool] = Future()
+
+        def on_loop() -> None:
+            if not self._read:
+                while not self._adeltas.empty():
+                    self._adeltas.get_nowait()
+            dropped.set_result(not self._read)
+
+        try:
+            self._loop.call_soon_threadsafe(on_loop)
+        except RuntimeError:  # the loop is closed: nobody reads, nothing to keep apart
+            return False
+        try:
+            return dropped.result(timeout_s)
+        except TimeoutError:  # the loop is gone (shutting down): keep what was sent
+            return False
 
     # called from the engine's loop thread
     def push_chunk(self, chunk: StreamChunk) -> None:

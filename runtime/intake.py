@@ -10,15 +10,18 @@ import itertools
 import json
 import threading
 import time
+from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import torch
 
 from runtime.config import EngineConfig
+from runtime.constrain.compile_queue import CompileQueue
 from runtime.errors import InvalidRequestError
 from runtime.generation import GenerationState
 from runtime.model.arch import ModelArch
-from runtime.protocol import GenerateRequest, GraphHints, SamplingParams
+from runtime.protocol import Constraint, GenerateRequest, GraphHints, SamplingParams
 from runtime.scheduler.request import Req, ReqKind
 
 
@@ -35,6 +38,7 @@ class RequestIntake:
         self._arrivals = itertools.count()
         self._grammars = None
         self._grammar_lock = threading.Lock()
+        self.compile_queue = CompileQueue()
 
     # ------------------------------------------------------------------ requests
     def generate_req(self, request: GenerateRequest) -> Req:
@@ -47,6 +51,7 @@ class RequestIntake:
         )
         self.validate_prompt(ids, params.max_new_tokens)
         self.validate_ids(params.stop_token_ids, "stop token id")
+        self.validate_ids(list(params.logit_bias), "logit_bias token id")
         if (params.stop or params.stop_regex) and self.tokenizer is None:
             raise InvalidRequestError(
                 "stop and stop_regex match the text, and this model has no tokenizer: "
@@ -182,16 +187,43 @@ class RequestIntake:
                 )
             return self._grammars
 
+    def compile_ahead(self, requests: list[GenerateRequest], tenant: str) -> list[Future]:
+        """Compile the requests' new constraints (each distinct one once) on the compile queue,
+        before they are submitted: Futures that fail with InvalidRequestError for a bad one.
+        Raises CompileQueueFullError when `tenant` has its limit queued."""
+        from runtime.constrain.grammar import InvalidConstraintError, check_nesting, constraint_key
+
+        futures: dict[str, Future] = {}
+        for request in requests:
+            constraint = request.constraint
+            if constraint is None:
+                continue
+            try:
+                check_nesting(constraint)  # before anything recurses through it
+            except InvalidConstraintError as err:
+                raise InvalidRequestError(str(err)) from err
+            key = constraint_key(constraint)  # the n samples of a prompt share one
+            grammars = self._grammars
+            if key in futures or (grammars is not None and grammars.is_compiled(key)):
+                continue
+            futures[key] = self.compile_queue.submit(tenant, partial(self._compiled, constraint))
+        return list(futures.values())
+
     def _constraint_state(self, request: GenerateRequest) -> Any:
-        """Compile the request's constraint now, so a bad one fails at submit."""
+        """Compile the request's constraint now (unless compile_ahead did), so a bad one fails
+        at submit."""
         if request.constraint is None:
             return None
+        return self.grammars.new_state(self._compiled(request.constraint))
+
+    def _compiled(self, constraint: Constraint) -> Any:
+        """`constraint` compiled (from the cache if it is there), or InvalidRequestError."""
         from runtime.constrain.grammar import InvalidConstraintError, check_nesting
 
         try:
-            check_nesting(request.constraint)
-            check_unicode(json.dumps(request.constraint.model_dump(), ensure_ascii=False))
-            return self.grammars.new_state(request.constraint)
+            check_nesting(constraint)
+            check_unicode(json.dumps(constraint.model_dump(), ensure_ascii=False))
+            return self.grammars.compile(constraint)
         except InvalidConstraintError as err:
             raise InvalidRequestError(str(err)) from err
 

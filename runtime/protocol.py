@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
-import regex
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -49,6 +49,11 @@ class SamplingParams(_Frozen):
         "patterns; the match is cut from the text like a stop string",
     )
     ignore_eos: bool = False
+    logit_bias: dict[int, float] = Field(
+        default_factory=dict,
+        description="token id -> a bias (-100..100) added to its logit before sampling, "
+        "after penalties (OpenAI's logit_bias)",
+    )
     include_stop_str_in_output: bool = Field(
         False, description="keep the matched stop string (or stop_regex match) in the text"
     )
@@ -90,9 +95,19 @@ class SamplingParams(_Frozen):
                     f"stop_regex {pattern!r} must be 1 to {MAX_STOP_REGEX_BYTES} bytes long"
                 )
             try:
-                regex.compile(pattern)
-            except regex.error as err:
+                re.compile(pattern)  # syntax only: the engine runs it as an automaton
+            except re.error as err:
                 raise ValueError(f"invalid stop_regex {pattern!r}: {err}") from err
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, value: dict[int, float]) -> dict[int, float]:
+        bad = next(((t, b) for t, b in value.items() if t < 0 or not -100 <= b <= 100), None)
+        if bad is not None:
+            raise ValueError(
+                f"logit_bias {{{bad[0]}: {bad[1]}}}: token ids are >= 0 and biases in -100..100"
+            )
         return value
 
     @model_validator(mode="after")

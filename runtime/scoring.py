@@ -24,9 +24,30 @@ from runtime.scheduler.request import Req
 # (its prefix still comes from the cache), so hostile continuations cannot pile up pins.
 MAX_SHARED_DEPTH = 8
 MAX_SHARED_PINS = 32
+# A score's continuations go to the engine MAX_SCORE_BATCH at a time: each finished one holds
+# a full-vocabulary row until its logprobs are read, and a batch at a time lets other requests
+# in between batches (thousands added at once would queue everyone else behind them).
+MAX_SCORE_BATCH = 64
+MAX_SCORE_CONTINUATIONS = 1024  # per call (InvalidRequestError beyond)
 
 Context = tuple[int, ...]  # a continuation's tokens before the one being scored
+NextLogprobs = dict[int, float]  # token id -> logprob, for the tokens scored after a context
 PinFn = Callable[[list[int], str | None, GraphHints, bool], tuple[PinInfo, torch.Tensor | None]]
+
+
+def check_score_size(request: ScoreRequest) -> None:
+    """Refuse a score of more than MAX_SCORE_CONTINUATIONS continuations."""
+    num_conts = len(request.continuations)
+    if num_conts > MAX_SCORE_CONTINUATIONS:
+        raise InvalidRequestError(
+            f"a score of {num_conts:,} continuations exceeds the limit of "
+            f"{MAX_SCORE_CONTINUATIONS:,} per call: split it"
+        )
+
+
+def num_in_flight(request: ScoreRequest) -> int:
+    """Engine requests a score has in flight at once, at most (its continuation batch)."""
+    return min(len(request.continuations), MAX_SCORE_BATCH)
 
 
 class ScoreCancelled(Exception):
@@ -107,6 +128,7 @@ class ContinuationScorer:
         """Per-token logprobs of each continuation after the prefix; `cancel` may stop it
         (ScoreCancelled) from another thread."""
         cancel = cancel or Cancellation()
+        check_score_size(request)
         prefix_ids = self.intake.tokens(request.prefix, special=True)
         conts = [self.intake.tokens(c, special=False) for c in request.continuations]
         if any(not c for c in conts):
@@ -114,28 +136,46 @@ class ContinuationScorer:
         for cont in conts:
             self.intake.validate_ids(cont, "continuation token id")
         self.intake.validate_prompt(prefix_ids, max(map(len, conts)))
-        rows: dict[Context, torch.Tensor] = {}
+        rows: dict[Context, NextLogprobs] = {}
         pin_ids: list[str] = []
+        token_logprobs: list[list[float]] = []
         try:
             for context in self._shared_contexts(conts):  # shortest first: one new token each
                 cancel.check()
-                info, rows[context] = self._pin(
+                info, row = self._pin(
                     prefix_ids + list(context), request.namespace, request.hints, True
                 )
                 pin_ids.append(info.pin_id)
-            reqs = self._tail_reqs(request, prefix_ids, conts, rows)
-            if reqs:
-                cancel.run(self._run, self._abort, list(reqs.values()))
-            token_logprobs = [
-                [_token_logprob(rows, reqs.get(i), prefix_ids, cont, j) for j in range(len(cont))]
-                for i, cont in enumerate(conts)
-            ]
+                rows[context] = _next_logprobs(row, context, conts)
+            for start in range(0, len(conts), MAX_SCORE_BATCH):
+                batch = conts[start : start + MAX_SCORE_BATCH]
+                token_logprobs += self._score_batch(request, prefix_ids, batch, rows, cancel)
         finally:
             for pin_id in pin_ids:
                 self._abort(pin_id)
         return ScoreResult(
             prefix_ids=prefix_ids, continuation_ids=conts, token_logprobs=token_logprobs
         )
+
+    def _score_batch(
+        self,
+        request: ScoreRequest,
+        prefix_ids: list[int],
+        conts: list[list[int]],
+        rows: dict[Context, NextLogprobs],
+        cancel: Cancellation,
+    ) -> list[list[float]]:
+        """Per-token logprobs of `conts`, computing their tails together."""
+        reqs = self._tail_reqs(request, prefix_ids, conts, rows)
+        if reqs:
+            cancel.run(self._run, self._abort, list(reqs.values()))
+        token_logprobs = [
+            [_token_logprob(rows, reqs.get(i), prefix_ids, cont, j) for j in range(len(cont))]
+            for i, cont in enumerate(conts)
+        ]
+        for req in reqs.values():  # read: let the rows go now (a Req sits in reference cycles)
+            req.last_logprobs, req.prompt_logprobs = None, []
+        return token_logprobs
 
     def _shared_contexts(self, conts: list[list[int]]) -> list[Context]:
         """Trie nodes whose next-token row is needed by two or more continuations."""
@@ -159,7 +199,7 @@ class ContinuationScorer:
         request: ScoreRequest,
         prefix_ids: list[int],
         conts: list[list[int]],
-        rows: dict[Context, torch.Tensor],
+        rows: dict[Context, NextLogprobs],
     ) -> dict[int, Req]:
         """One prefill per continuation that needs rows no pin brought."""
         reqs: dict[int, Req] = {}
@@ -178,8 +218,15 @@ class ContinuationScorer:
         return reqs
 
 
+def _next_logprobs(row: torch.Tensor, context: Context, conts: list[list[int]]) -> NextLogprobs:
+    """Of a pinned node's full logprob row, only the tokens some continuation scores there."""
+    depth = len(context)
+    scored = {c[depth] for c in conts if len(c) > depth and tuple(c[:depth]) == context}
+    return {token_id: float(row[token_id]) for token_id in scored}
+
+
 def _token_logprob(
-    rows: dict[Context, torch.Tensor],
+    rows: dict[Context, NextLogprobs],
     req: Req | None,
     prefix_ids: list[int],
     cont: list[int],

@@ -87,6 +87,7 @@ def _verify(
     plain_greedy = (
         params.is_greedy
         and not params.needs_penalties
+        and not params.logit_bias
         and gen.constraint is None
         and not (params.logprobs or params.top_logprobs)
     )

@@ -1,9 +1,13 @@
 """Two engine replicas as Ray actors (local Ray, tiny model): the same greedy outputs as one
 engine, event-fed trees equal to the replicas' own, the computed-token counts of each routing
-policy and of graph-aware placement, and a replica killed mid-run. Counts, never times."""
+policy and of graph-aware placement, and a replica killed mid-run. Counts, never times: every
+wait is on a condition (a chunk arrived, a replica rejoined, a counter moved) with a generous
+deadline, so the tests hold on a machine busy with other work."""
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 
 import pytest
@@ -25,6 +29,14 @@ from runtime.prefix import common_prefix_len, union_prefix_tokens
 from runtime.protocol import GenerateRequest, SamplingParams
 
 MAX_KV_TOKENS = 16_384  # per replica: W1 at test size fits, small enough for two on 2 cores
+WAIT_S = 600  # deadline for a condition: Ray restarting an actor on a busy machine takes long
+
+
+def _wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +47,10 @@ def engine_config(tiny_model_dir):
 @pytest.fixture(scope="module")
 def cluster(engine_config):
     init_ray(num_cpus=2)
-    with Cluster(engine_config, ClusterConfig(num_replicas=2)) as running:
+    # tests kill and stop replica 1 (and the HTTP front's a random one): restarts to spare,
+    # whatever order the tests run in
+    config = ClusterConfig(num_replicas=2, max_restarts=10)
+    with Cluster(engine_config, config) as running:
         yield running
     ray.shutdown()
 
@@ -48,10 +63,17 @@ def single(engine_config):
 
 @pytest.fixture
 def fresh(cluster):
-    """Empty caches and the default router before each test."""
+    """Every replica routed to and idle, empty caches and the default router before each
+    test: a test before it may have killed or stopped a replica (Ray's restart is waited for
+    here), in whatever order the tests run."""
+    _wait_until(
+        lambda: sorted(cluster.router.replica_ids) == sorted(cluster.actors),
+        "a replica did not rejoin after Ray restarted it",
+    )
+    _wait_until(lambda: not any(cluster.router.loads().values()), "earlier requests still run")
     cluster.set_router_config(RouterConfig())
     cluster.flush_caches()
-    cluster.wait_for_events()
+    cluster.wait_for_events(timeout_s=WAIT_S)
     return cluster
 
 
@@ -83,7 +105,7 @@ def test_w1_w3_greedy_outputs_equal_one_engine_and_trees_follow_events(fresh, si
         placed = backend.run_batch(prog, batch)
         assert all(isinstance(s, fl.ProgramState) for s in placed), placed
         assert [s.variables() for s in placed] == [s.variables() for s in expected]
-    fresh.wait_for_events()
+    fresh.wait_for_events(timeout_s=WAIT_S)
     for replica_id in fresh.router.replica_ids:
         truth = ray.get(fresh.actors[replica_id].peek_snapshot.remote())
         assert fresh.router.tree(replica_id).leaf_paths() == _leaf_paths(truth)
@@ -101,7 +123,7 @@ def test_cache_aware_is_near_the_bound_and_round_robin_repeats_the_shared_prefix
     for policy in ("cache_aware", "round_robin"):
         fresh.set_router_config(RouterConfig(policy=policy))
         fresh.flush_caches()
-        fresh.wait_for_events()
+        fresh.wait_for_events(timeout_s=WAIT_S)
         before = _computed(fresh)
         sampling = SamplingParams(max_new_tokens=2, temperature=0.0)
         results = fresh.generate([GenerateRequest(input_ids=p, sampling=sampling) for p in prompts])
@@ -143,7 +165,7 @@ def test_graph_aware_placement_computes_less_than_routing_request_by_request(fre
     routed_tokens = sum(_delta(before, _computed(fresh)).values())
 
     fresh.flush_caches()
-    fresh.wait_for_events()
+    fresh.wait_for_events(timeout_s=WAIT_S)
     before = _computed(fresh)
     placed = grouped.run_batch(batch, backend=backend, progress=False)  # placed by the backend
     placed_tokens = sum(_delta(before, _computed(fresh)).values())
@@ -168,27 +190,150 @@ def _round_robin_requests(cluster, single, num_requests: int, max_new_tokens: in
 
 
 def test_replica_killed_mid_run_loses_no_request_and_rejoins_empty(fresh, single):
+    """Killed while it surely runs a request (a long one whose first chunk has arrived): every
+    request is answered once with one engine's greedy answer; the streamed one, its chunks
+    taken back by its caller, runs again from the start."""
     requests, expected = _round_robin_requests(fresh, single, 12, 48)
+    sampling = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
+    anchor = GenerateRequest(input_ids=list(range(500, 560)), sampling=sampling)
+    (anchor_expected,) = single.generate(anchor)
     reruns_before = fresh.num_reruns
+    chunks: list[int] = []
+    started = threading.Event()
+
+    def on_chunk(chunk) -> None:
+        chunks.extend(chunk.output_ids)
+        started.set()
+
+    def retract() -> bool:  # this caller shows nothing before the end: it starts over
+        chunks.clear()
+        return True
+
+    anchored = fresh.submit(anchor, prefer=1, on_chunk=on_chunk, retract=retract)
     futures = [fresh.submit(r) for r in requests]
-    deadline = time.monotonic() + 30
-    while min(fresh.router.loads().values()) == 0 and time.monotonic() < deadline:
-        time.sleep(0.005)  # both replicas are running requests
+    assert started.wait(WAIT_S), "the long request never started on replica 1"
     ray.kill(fresh.actors[1], no_restart=False)
-    results = [f.result(timeout=120) for f in futures]
+    results = [f.result(timeout=WAIT_S) for f in futures]
     assert [r.rid for r in results] == [r.rid for r in requests]  # one answer each
     assert [r.output_ids for r in results] == expected  # re-runs are the same greedy answer
+    rerun = anchored.result(timeout=WAIT_S)
+    assert rerun.finish_reason == "length", rerun
+    assert rerun.output_ids == anchor_expected.output_ids == chunks  # only the re-run's chunks
     assert fresh.num_reruns > reruns_before
     survivor = fresh.stats()[0]
     assert survivor["kv_slots_used"] == survivor["cache_tokens"], "a slot leaked"
     assert survivor["num_running"] == 0 and survivor["num_pins"] == 0
-    deadline = time.monotonic() + 90
-    while 1 not in fresh.router.replica_ids:
-        assert time.monotonic() < deadline, "Ray did not bring the replica back"
-        time.sleep(0.1)
+    _wait_until(lambda: 1 in fresh.router.replica_ids, "Ray did not bring the replica back")
     assert fresh.router.tree(1).num_tokens == 0  # it rejoined empty
     assert fresh.stats()[1]["requests_finished_total"] == 0
     fresh.check_integrity()
+
+
+def test_http_front_reruns_a_killed_replicas_whole_requests_and_ends_its_streams_with_503(
+    fresh, single
+):
+    """`flowlang serve --replicas 2`, a replica killed (as kill -9) while it runs one whole
+    and one streamed request: the whole one runs again on the other replica and gets one
+    engine's answer; the stream, which already sent tokens, ends with a 503 error frame and
+    [DONE]; the other replica's requests finish. No connection is dropped."""
+    import httpx
+    from conftest import ServerThread
+
+    from runtime.cluster.front import ClusterEngine
+
+    fresh.set_router_config(RouterConfig(policy="round_robin"))
+    sampling = {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True}
+    prompts = {name: [7 + i] * 30 + list(range(200, 240)) for i, name in enumerate("abcd")}
+    answers: dict[str, object] = {}
+    first_frame = {name: threading.Event() for name in "cd"}
+    thread = ServerThread(ClusterEngine(fresh, owns_cluster=False))
+
+    def whole(name: str) -> None:
+        body = {"input_ids": prompts[name], "rid": name, "sampling_params": sampling}
+        reply = httpx.post(f"{thread.url}/generate", json=body, timeout=WAIT_S)
+        answers[name] = (reply.status_code, reply.text)
+
+    def streamed(name: str) -> None:
+        body = {"input_ids": prompts[name], "rid": name, "sampling_params": sampling}
+        frames: list[str] = []
+        try:
+            with httpx.stream(
+                "POST", f"{thread.url}/generate", json={**body, "stream": True}, timeout=WAIT_S
+            ) as reply:
+                for line in reply.iter_lines():
+                    if line:
+                        frames.append(line)
+                        first_frame[name].set()
+            answers[name] = (reply.status_code, frames)
+        except httpx.HTTPError as err:  # a dropped connection: what must never happen
+            answers[name] = (err, frames)
+
+    # round-robin in this order: "a" and "c" share a replica, "b" and "d" the other
+    clients = []
+    try:
+        for name, run in (("a", whole), ("b", whole), ("c", streamed), ("d", streamed)):
+            clients.append(threading.Thread(target=run, args=(name,)))
+            clients[-1].start()
+            _wait_until(lambda n=name: fresh.router.replica_of(n) is not None, f"{name} unrouted")
+        for event in first_frame.values():
+            assert event.wait(WAIT_S), "a stream sent nothing"
+        victim = fresh.router.replica_of("a")
+        assert fresh.router.replica_of("c") == victim != fresh.router.replica_of("b")
+        reruns_before = fresh.num_reruns
+        ray.kill(fresh.actors[victim], no_restart=False)
+        for client in clients:
+            client.join(WAIT_S)
+    finally:
+        thread.stop()
+    assert fresh.num_reruns == reruns_before + 1  # "a", and only "a", ran again
+    for name in "ab":
+        status, text = answers[name]
+        assert status == 200, text
+        request = GenerateRequest(
+            input_ids=prompts[name], sampling=SamplingParams(**{**sampling, "temperature": 0.0})
+        )
+        (expected,) = single.generate(request)
+        assert json.loads(text)["output_ids"] == expected.output_ids
+    status, frames = answers["c"]
+    assert status == 200 and frames[-1] == "data: [DONE]", (status, frames[-3:])
+    error = json.loads(frames[-2].removeprefix("data: "))["error"]
+    assert error["code"] == 503 and "died" in error["message"], error
+    assert len(frames) > 3  # tokens went out before the error
+    status, frames = answers["d"]
+    assert status == 200 and frames[-1] == "data: [DONE]", (status, frames[-3:])
+    last = json.loads(frames[-2].removeprefix("data: "))
+    assert last["meta_info"]["finish_reason"]["type"] == "length", last
+
+
+def test_a_routed_handle_takes_back_its_chunks_only_while_nobody_read_one():
+    """What decides whether a request whose replica died may run again at the front: the
+    chunks pushed so far are dropped (True) until a reader took one (then False)."""
+    import asyncio
+
+    from runtime.handles import RequestHandle
+    from runtime.protocol import StreamChunk
+
+    def _chunk(text: str, token: int) -> StreamChunk:
+        return StreamChunk(
+            text=text, output_ids=[token], num_output_tokens=1, num_prompt_tokens=1, cached_tokens=0
+        )
+
+    async def scenario() -> tuple[bool, list[int], bool]:
+        loop = asyncio.get_running_loop()
+        handle = RequestHandle("r", lambda rid: None, loop)
+        for token in (1, 2):
+            handle.push_chunk(_chunk("x", token))
+        dropped = await asyncio.to_thread(handle.retract, 60.0)
+        handle.push_chunk(_chunk("y", 3))
+        chunks = handle.achunks()
+        first = await anext(chunks)
+        kept = await asyncio.to_thread(handle.retract, 60.0)
+        return dropped, first.output_ids, kept
+
+    dropped, first, kept = asyncio.run(scenario())
+    assert dropped and first == [3]  # the reader saw only what came after
+    assert not kept
+    assert not RequestHandle("r", lambda rid: None).retract(60.0)  # no loop: never dropped
 
 
 def test_http_front_serves_the_same_api_and_refuses_bad_input(fresh, single):
@@ -202,7 +347,7 @@ def test_http_front_serves_the_same_api_and_refuses_bad_input(fresh, single):
     front = ClusterEngine(fresh, owns_cluster=False)
     thread = ServerThread(front)
     try:
-        with httpx.Client(base_url=thread.url, timeout=60) as client:
+        with httpx.Client(base_url=thread.url, timeout=WAIT_S) as client:
             ids = list(range(300, 360))
             body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
             reply = client.post("/generate", json=body)
@@ -213,7 +358,6 @@ def test_http_front_serves_the_same_api_and_refuses_bad_input(fresh, single):
             chat = client.post(
                 "/v1/chat/completions",
                 json={
-                    "model": "m",
                     "messages": [{"role": "user", "content": "Hi"}],
                     "max_tokens": 4,
                 },
@@ -268,7 +412,7 @@ def test_http_front_streams_each_replicas_kv_events(fresh):
     thread = ServerThread(ClusterEngine(fresh, owns_cluster=False))
     route = "/v1/flowlang/kv_events"
     try:
-        with httpx.Client(base_url=thread.url, timeout=60) as client:
+        with httpx.Client(base_url=thread.url, timeout=WAIT_S) as client:
             missing = client.get(route)
             assert missing.status_code == 400 and "[0, 1]" in missing.text
             assert client.get(route, params={"replica": 7}).status_code == 400
@@ -280,7 +424,7 @@ def test_http_front_streams_each_replicas_kv_events(fresh):
                 mirror.load(KVSnapshot(first["snapshot"], stored))
                 sampling = SamplingParams(max_new_tokens=4, temperature=0.0)
                 request = GenerateRequest(input_ids=list(range(400, 470)), sampling=sampling)
-                assert fresh.submit(request, prefer=1).result(timeout=60).finish_reason
+                assert fresh.submit(request, prefer=1).result(timeout=WAIT_S).finish_reason
                 truth = ray.get(fresh.actors[1].peek_snapshot.remote())
                 while mirror.last_seq < truth.seq:
                     mirror.apply(KVEvent.from_dict(json.loads(next(lines))))
@@ -301,9 +445,9 @@ def test_http_front_streams_token_by_token(fresh, single):
     from runtime.cluster.front import ClusterEngine
 
     thread = ServerThread(ClusterEngine(fresh, owns_cluster=False))
-    body = {"model": "m", "prompt": list(range(300, 340)), "max_tokens": 12, "temperature": 0}
+    body = {"prompt": list(range(300, 340)), "max_tokens": 12, "temperature": 0}
     try:
-        with httpx.Client(base_url=thread.url, timeout=60) as client:
+        with httpx.Client(base_url=thread.url, timeout=WAIT_S) as client:
             whole = client.post("/v1/completions", json=body)
             assert whole.status_code == 200, whole.text
             pieces = []
@@ -326,13 +470,13 @@ def test_a_replica_whose_engine_stops_is_restarted_and_its_requests_run_elsewher
     requests, expected = _round_robin_requests(fresh, single, 8, 24)
     restarts_before = fresh.num_restarts
     ray.get(fresh.actors[1].stop.remote(0.0))
-    results = [f.result(timeout=120) for f in [fresh.submit(r) for r in requests]]
+    results = [f.result(timeout=WAIT_S) for f in [fresh.submit(r) for r in requests]]
     assert [r.output_ids for r in results] == expected  # every request answered, once
     assert all(r.finish_reason == "length" for r in results)
-    deadline = time.monotonic() + 90
-    while fresh.num_restarts == restarts_before or 1 not in fresh.router.replica_ids:
-        assert time.monotonic() < deadline, "the stopped replica was not restarted"
-        time.sleep(0.1)
+    _wait_until(
+        lambda: fresh.num_restarts > restarts_before and 1 in fresh.router.replica_ids,
+        "the stopped replica was not restarted",
+    )
     assert fresh.num_restarts == restarts_before + 1
     assert ray.get(fresh.actors[1].health.remote())
     assert fresh.stats()[1]["requests_finished_total"] == 0  # a fresh engine
@@ -403,17 +547,17 @@ def test_a_cancelled_score_is_stopped_on_its_replica(fresh):
 
     worker = threading.Thread(target=run)
     worker.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + WAIT_S
     while not any(s["num_running"] or s["num_pins"] for s in fresh.stats().values()):
         assert time.monotonic() < deadline and not outcome, "the score never ran"
         time.sleep(0.01)
     cancel.cancel()
-    worker.join(60)
+    worker.join(WAIT_S)
     assert len(outcome) == 1 and isinstance(outcome[0], ScoreCancelled), outcome
-    deadline = time.monotonic() + 30
-    while any(s["num_running"] or s["num_pins"] for s in fresh.stats().values()):
-        assert time.monotonic() < deadline, "the replica kept the score's work"
-        time.sleep(0.05)
+    _wait_until(
+        lambda: not any(s["num_running"] or s["num_pins"] for s in fresh.stats().values()),
+        "the replica kept the score's work",
+    )
     small = ScoreRequest(prefix=list(range(300, 340)), continuations=[[5, 6]])
     assert len(front.scorer.score(small).token_logprobs) == 1
 
@@ -438,7 +582,6 @@ def test_tool_calls_through_the_front_equal_one_engine(fresh, single):
         },
     }
     kwargs = dict(
-        model="m",
         messages=[{"role": "user", "content": "Add."}],
         tools=[add],
         tool_choice="required",
@@ -453,10 +596,12 @@ def test_tool_calls_through_the_front_equal_one_engine(fresh, single):
         thread = ServerThread(engine)
         try:
             oc = OpenAI(base_url=thread.url + "/v1", api_key="unused", max_retries=0)
-            call = oc.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+            model = engine.config.model
+            call = oc.chat.completions.create(**kwargs, model=model).choices[0].message
+            call = call.tool_calls[0]
             streamed = "".join(
                 d.function.arguments or ""
-                for chunk in oc.chat.completions.create(**kwargs, stream=True)
+                for chunk in oc.chat.completions.create(**kwargs, model=model, stream=True)
                 for d in chunk.choices[0].delta.tool_calls or []
             )
             assert streamed == call.function.arguments

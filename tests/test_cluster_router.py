@@ -251,6 +251,7 @@ def test_serve_cli_puts_replicas_on_gpus_as_asked(monkeypatch):
     def serve_cluster(config, cluster, settings, sock):
         sock.close()  # bound by the CLI before anything starts
         seen.update(locals())
+        return 0  # the exit status, as after a drained SIGTERM
 
     monkeypatch.setattr(cluster_serve, "serve_cluster", serve_cluster)
     argv = ["serve", "--model", "random:tiny", "--device", "cuda", "--replicas", "2", "--port", "0"]

@@ -48,7 +48,7 @@ def test_routing_and_body_parse_errors_have_our_shape(server):
 
 def test_an_empty_prompt_list_is_a_400_naming_the_field(server):
     with httpx.Client(base_url=server.url, timeout=30) as client:
-        response = client.post("/v1/completions", json={"model": "m", "prompt": []})
+        response = client.post("/v1/completions", json={"prompt": []})
         assert "`prompt` is an empty list" in assert_error_shape(response, 400)
 
 
@@ -74,11 +74,14 @@ def test_a_failed_openai_stream_ends_in_an_error_the_client_raises(server, api):
         try:  # 700 of 2,000 slots pinned: a 1,504-slot request is crowded out (503)
             if api == "completions":
                 stream = client.completions.create(
-                    model="m", prompt=list(range(700, 2200)), max_tokens=4, stream=True
+                    model=client.models.list().data[0].id,
+                    prompt=list(range(700, 2200)),
+                    max_tokens=4,
+                    stream=True,
                 )
             else:
                 stream = client.chat.completions.create(
-                    model="m",
+                    model=client.models.list().data[0].id,
                     messages=[{"role": "user", "content": "hello " * 1500}],
                     max_tokens=4,
                     stream=True,

@@ -79,7 +79,7 @@ def test_tool_choice_four_forms_in_a_multi_step_loop(oc):
     messages = [{"role": "user", "content": "What is 2 + 3, and the weather in Oslo?"}]
     for step, choice in enumerate(CHOICES):
         answer = oc.chat.completions.create(
-            model="m",
+            model=oc.models.list().data[0].id,
             messages=messages,
             tools=TOOLS,
             tool_choice=choice,
@@ -109,7 +109,7 @@ def test_tool_choice_four_forms_in_a_multi_step_loop(oc):
 
 def test_streamed_tool_calls_reassemble_to_the_unstreamed_answer(oc):
     kwargs = dict(
-        model="m",
+        model=oc.models.list().data[0].id,
         messages=[{"role": "user", "content": "Add 1 and 2."}],
         tools=TOOLS,
         tool_choice="required",
@@ -138,7 +138,7 @@ def test_streamed_tool_calls_reassemble_to_the_unstreamed_answer(oc):
 
 def test_parallel_calls_and_their_results_in_history(oc):
     answer = oc.chat.completions.create(
-        model="m",
+        model=oc.models.list().data[0].id,
         messages=[{"role": "user", "content": "Two sums, please."}],
         tools=[ADD],
         tool_choice="required",
@@ -156,7 +156,9 @@ def test_parallel_calls_and_their_results_in_history(oc):
         answer.choices[0].message.model_dump(exclude_none=True),
         *({"role": "tool", "tool_call_id": c.id, "content": "5"} for c in calls),
     ]
-    follow = oc.chat.completions.create(model="m", messages=history, tools=[ADD], max_tokens=4)
+    follow = oc.chat.completions.create(
+        model=oc.models.list().data[0].id, messages=history, tools=[ADD], max_tokens=4
+    )
     assert follow.usage.prompt_tokens > answer.usage.prompt_tokens
     # the template-less fallback shows the calls as the model writes them, and the results
     assert follow.usage.prompt_tokens_details.cached_tokens > 0
@@ -214,7 +216,7 @@ def test_generated_schemas_every_call_validates(oc, tool_set, choice, seed):
         {"type": "function", "function": {"name": tool_set[0][0]}} if choice == "named" else choice
     )
     answer = oc.chat.completions.create(
-        model="m",
+        model=oc.models.list().data[0].id,
         messages=[{"role": "user", "content": "Call a tool."}],
         tools=tools,
         tool_choice=tool_choice,
@@ -236,7 +238,7 @@ def test_generated_schemas_every_call_validates(oc, tool_set, choice, seed):
     "extra, status, named",
     [
         ({"no_such_field": 1}, 422, "no_such_field"),
-        ({"logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, 400, "logit_bias"),
         ({"functions": [{"name": "f"}]}, 400, "functions"),
         ({"store": True}, 400, "store"),
         ({"reasoning_effort": "high"}, 400, "reasoning_effort"),
@@ -288,7 +290,7 @@ def test_ignored_fields_are_accepted_and_logged(served, caplog):
 
 def test_completions_echo_and_extensions(oc):
     done = oc.completions.create(
-        model="m",
+        model=oc.models.list().data[0].id,
         prompt="Once upon a time",
         max_tokens=4,
         temperature=0,
@@ -297,7 +299,7 @@ def test_completions_echo_and_extensions(oc):
     )
     assert done.choices[0].text.startswith("Once upon a time")
     plain = oc.completions.create(
-        model="m",
+        model=oc.models.list().data[0].id,
         prompt="Once upon a time",
         max_tokens=4,
         temperature=0,
@@ -345,7 +347,7 @@ def test_a_template_with_tools_renders_definitions_calls_and_results(tmp_path, t
     try:
         oc = OpenAI(base_url=thread.url + "/v1", api_key="unused", max_retries=0)
         first = oc.chat.completions.create(
-            model="m",
+            model=oc.models.list().data[0].id,
             messages=[{"role": "user", "content": "weather?"}],
             tools=[WEATHER],
             tool_choice="required",
@@ -370,7 +372,11 @@ def test_a_template_with_tools_renders_definitions_calls_and_results(tmp_path, t
         )  # fmt: skip
         assert "TOOLS: get_weather" in prompt and "<tool_response>\nsunny" in prompt
         follow = oc.chat.completions.create(
-            model="m", messages=history, tools=[WEATHER], max_tokens=3, temperature=0
+            model=oc.models.list().data[0].id,
+            messages=history,
+            tools=[WEATHER],
+            max_tokens=3,
+            temperature=0,
         )
         assert follow.usage.prompt_tokens == len(engine.tokenizer.encode(prompt))
     finally:
@@ -386,7 +392,10 @@ def test_reasoning_content_split_and_streamed(tmp_path, tiny_model_dir):
     try:
         oc = OpenAI(base_url=thread.url + "/v1", api_key="unused", max_retries=0)
         kwargs = dict(
-            model="m", messages=[{"role": "user", "content": "Think."}], max_tokens=24, seed=1
+            model=oc.models.list().data[0].id,
+            messages=[{"role": "user", "content": "Think."}],
+            max_tokens=24,
+            seed=1,
         )
         raw = oc.chat.completions.create(**kwargs, extra_body={"separate_reasoning": False})
         split = oc.chat.completions.create(**kwargs)
@@ -424,7 +433,7 @@ def test_a_schema_applies_to_the_answer_after_the_reasoning(tmp_path, tiny_model
     try:
         oc = OpenAI(base_url=thread.url + "/v1", api_key="unused", max_retries=0)
         answer = oc.chat.completions.create(
-            model="m",
+            model=oc.models.list().data[0].id,
             messages=[{"role": "user", "content": "Answer in JSON."}],
             response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
             max_tokens=48,
@@ -435,7 +444,7 @@ def test_a_schema_applies_to_the_answer_after_the_reasoning(tmp_path, tiny_model
         # a random model never closes its thinking by itself: a budget closes it
         assert not [c for c in answer.choices if c.finish_reason == "stop"]
         answer = oc.chat.completions.create(
-            model="m",
+            model=oc.models.list().data[0].id,
             messages=[{"role": "user", "content": "Answer in JSON."}],
             response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
             max_tokens=48,
@@ -468,7 +477,11 @@ def test_langchain_chat_openai_tool_loop(served):
         return a + b
 
     llm = ChatOpenAI(
-        base_url=served.url + "/v1", api_key="unused", model="m", temperature=0, max_tokens=60,
+        base_url=served.url + "/v1",
+        api_key="unused",
+        model=served.engine.config.model,
+        temperature=0,
+        max_tokens=60,
         max_retries=0,
     )
     bound = llm.bind_tools([add], tool_choice="add", parallel_tool_calls=False)

@@ -25,9 +25,11 @@ HERE = Path(__file__).resolve().parent
 # SGLang's frontend test programs whose assertions hold for any model. Not here: those that
 # check answers a random-weight model cannot give, or need images or the OpenAI backend;
 # test_gen_min_new_tokens reads `default_backend.endpoint`, which only sgl.Runtime has; and
-# test_stream_logprobs, which asserts that each chunk it sees holds the logprobs of the tokens
-# since the previous one it saw: SGLang 0.5.23's server sends cumulative lists by default (as
-# flowlang does), and its incremental mode breaks the frontend's text slicing instead.
+# test_stream_logprobs races with the server: the server sends each chunk's new output
+# logprobs (as SGLang's frontend joins them), but the frontend's reader thread keeps only the
+# latest chunk's meta_info, so when two chunks arrive between two reads of its async iterator
+# (a fast model) one chunk's logprobs are never seen. Test_sglang_native and
+# test_openai_fields check the stream itself, chunk by chunk.
 SGLANG_TESTS = {
     "test_mt_bench": {},
     "test_select": {"check_answer": False},
@@ -182,8 +184,15 @@ def test_meta_info_and_logprobs(frontend_run):
     for chunk in stream["chunks"]:
         assert chunk["text"] and chunk["meta"]["prompt_tokens"] > 0
         assert chunk["meta"]["output_token_logprobs_length"] == chunk["meta"]["completion_tokens"]
-    final = stream["meta"]["answer"]  # the last chunk's: every token's logprob
-    assert len(final["output_token_logprobs"]) == final["completion_tokens"]
+    # each chunk: the logprobs of the tokens new since the frame before it (the frontend keeps
+    # the latest frame's meta_info: those of a frame read late are lost, and a frame that only
+    # releases held-back text or says the request finished has none)
+    seen = 0
+    for chunk in stream["chunks"]:
+        meta = chunk["meta"]
+        assert len(meta["output_token_logprobs"]) <= meta["completion_tokens"] - seen
+        seen = meta["completion_tokens"]
+    assert sum(len(c["meta"]["output_token_logprobs"]) for c in stream["chunks"]) > 0
     assert "".join(c["text"] for c in stream["chunks"]) == stream["variables"]["answer"]
 
 

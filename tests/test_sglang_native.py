@@ -83,7 +83,7 @@ def test_every_field_unset_is_accepted(client):
     [
         ({"image_data": "cat.png"}, "image_data"),
         ({"return_hidden_states": True}, "return_hidden_states"),
-        ({"sampling_params": {"logit_bias": {"5": 1.0}}}, "sampling_params.logit_bias"),
+        ({"sampling_params": {"custom_params": {"k": 1}}}, "sampling_params.custom_params"),
         ({"sampling_params": {"beam_width": 4}}, "sampling_params.beam_width"),
     ],
 )
@@ -227,11 +227,14 @@ def test_stream_chunks_carry_the_running_meta_info(client):
         sampling_params={"max_new_tokens": 8, "temperature": 0},
     )
     assert len(events) > 2
+    seen = 0  # output logprobs come as SGLang's frontend reads them: the new ones per chunk
     for event in events[:-1]:
         meta = event["meta_info"]
         assert meta["finish_reason"] is None and meta["prompt_tokens"] > 0
-        assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+        assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] - seen
+        assert meta["output_token_logprobs_length"] == meta["completion_tokens"]
         assert event["text"] and len(event["output_ids"]) == meta["completion_tokens"]
+        seen = meta["completion_tokens"]
     last = events[-1]["meta_info"]
     assert last["finish_reason"]["type"] == "length" and last["completion_tokens"] == 8
     done = generate(

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from runtime.config import EngineConfig
@@ -93,7 +95,12 @@ def test_stop_regex_respects_min_new_tokens_and_ignores_empty_matches(default_to
 
 @pytest.mark.parametrize(
     "value, message",
-    [("(a", "invalid stop_regex"), ("", "1 to 256 bytes"), (["a"] * 33, "at most 32")],
+    [
+        ("(a", "invalid stop_regex"),
+        (r"\p{L}", "invalid stop_regex"),  # the regex module's syntax: not re's
+        ("", "1 to 256 bytes"),
+        (["a"] * 33, "at most 32"),
+    ],
 )
 def test_bad_stop_regex_is_refused(value, message):
     with pytest.raises(ValidationError, match=message.replace("(", r"\(")):
@@ -172,3 +179,176 @@ def test_input_logprobs_and_top_k_equal_a_full_forward(engine, tiny_model_dir):
         top_ids, top_values = zip(*result.prompt_top_logprobs[j], strict=True)
         assert list(top_ids) == indices.tolist()
         assert list(top_values) == pytest.approx(values.tolist(), abs=1e-3)
+
+
+# ---------------------------------------------------------------- linear time
+PATHOLOGICAL = r"(a|a)+b"  # backtracking engines take 2^n steps over n "a"s
+
+
+def test_a_pathological_stop_regex_costs_steps_linear_in_the_text(default_tokenizer):
+    (a_id,) = default_tokenizer.encode("a", add_special_tokens=False)
+
+    def steps_for(num_tokens: int) -> tuple[int, GenerationState]:
+        params = SamplingParams(max_new_tokens=num_tokens + 1, stop_regex=[PATHOLOGICAL, r"\d+"])
+        gen = GenerationState(params, [1], default_tokenizer, [2], 49152)
+        for _ in range(num_tokens):
+            gen.append(a_id)
+        return gen._regex_stops.num_steps, gen
+
+    steps, gen = steps_for(2000)
+    assert not gen.finished and gen.text == "a" * 2000
+    num_states = sum(len(m.prog) for m in gen._regex_stops.matchers)
+    assert steps <= 2 * num_states * len(gen.text)  # each character advances each thread once
+    double, _ = steps_for(4000)
+    assert double <= 2 * steps + 100  # twice the text, twice the work: never rescanned
+    assert gen.stream_delta() == ""  # a match could still begin at the first "a": held back
+
+
+@pytest.mark.parametrize(
+    "pattern, message",
+    [
+        (r"(a)\1", "a backreference"),
+        (r"a(?=b)", "a lookahead or lookbehind"),
+        (r"(?<!x)a", "a negative lookahead or lookbehind"),
+        (r"(?>a+)b", "an atomic group"),
+        (r"a++b", "a possessive repeat"),
+        (r"(a)?(?(1)b|c)", "a conditional group"),
+        (r"(?:a{100}){100}", "needs more automaton states"),
+    ],
+)
+def test_a_stop_regex_that_is_not_linear_is_refused_naming_it(engine, pattern, message):
+    request = GenerateRequest(text="Hi", sampling=SamplingParams(stop_regex=[pattern]))
+    with pytest.raises(InvalidRequestError, match=message) as refused:
+        engine.submit(request)
+    assert repr(pattern) in str(refused.value)
+
+
+def test_the_automaton_states_of_all_patterns_are_capped_together(engine):
+    patterns = ["(?:ab){300}"] * 4  # 600 states each
+    request = GenerateRequest(text="Hi", sampling=SamplingParams(stop_regex=patterns))
+    with pytest.raises(InvalidRequestError, match=r"has left \(245 of 2,048"):
+        engine.submit(request)
+
+
+@given(
+    pattern=st.sampled_from(
+        [
+            r"ab+",
+            r"a|ab",
+            r"(a|ab)(c|bcd)",
+            r"\d+\.\d+",
+            r"x*y",
+            r"\bend\b",
+            r"a{2,3}?b",
+            r"(?i)Ab",
+            r"(a|b)*c",
+            r"[^ab]+",
+            r"\Bb",
+            r"^a",
+            r"(?m)^b",
+            r"(?m)b$",
+            r"(ab|a)(bc)?",
+            r"a??b",
+            r"(?:a|)+b",
+            r"\w+\s",
+            r"[a-c]{1,3}d?",
+            r"(a|a)+b",
+            r"b$",
+            r"a$\n?",
+            r"\Z|b",
+        ]
+    ),
+    text=st.text(alphabet="aabbcdxyE1.-\n end", max_size=16),
+    cuts=st.lists(st.integers(1, 16), max_size=6),
+)
+@settings(max_examples=400, deadline=None)
+def test_the_automaton_finds_what_re_finds_in_the_text_so_far(pattern, text, cuts):
+    """Fed in any pieces, the first match is re's leftmost non-empty match of the text up to
+    the piece where it appeared."""
+    import re
+
+    import regex
+
+    from runtime.stop_regex import StopRegexMatcher
+
+    def leftmost_non_empty(upto: str):
+        pos = 0
+        while pos <= len(upto) and (match := re.compile(pattern).search(upto, pos)):
+            if match.end() > match.start():
+                return match.span()
+            pos = match.start() + 1
+        return None
+
+    matcher, fed, found = StopRegexMatcher(pattern), 0, None
+    for end in sorted({*(c for c in cuts if c < len(text)), len(text)}):
+        found = matcher.feed(text[fed:end])
+        fed = end
+        if found is not None:
+            break
+    assert found == leftmost_non_empty(text[:fed])
+    if found is None:  # held back from the stream: from where a match could still begin
+        partial = regex.compile(pattern).search(text, partial=True)
+        assert matcher.search_from == (partial.start() if partial else len(text))
+
+
+# ---------------------------------------------------------------- over HTTP
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    from conftest import ServerThread
+
+    thread = ServerThread(Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=4096)))
+    yield thread
+    thread.stop()
+
+
+def test_a_pathological_stop_regex_never_slows_another_request(server):
+    import json
+    import threading
+    import time
+
+    import httpx
+
+    (a_id,) = server.engine.tokenizer.encode("a", add_special_tokens=False)
+    runs_of_a = {  # only "a"s: every token extends the run the pattern backtracks over
+        "text": "Say a",
+        "rid": "runs-of-a",
+        "stream": True,
+        "sampling_params": {
+            "max_new_tokens": 3500,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logit_bias": {str(a_id): 100},
+            "stop_regex": [PATHOLOGICAL],
+        },
+    }
+    started, outcome = threading.Event(), {}
+
+    def bad() -> None:
+        with httpx.Client(base_url=server.url, timeout=300) as client:
+            with client.stream("POST", "/generate", json=runs_of_a) as response:
+                started.set()
+                outcome["bad"] = response.status_code
+                events = [line for line in response.iter_lines() if line]
+                outcome["last"] = events[-2]  # before [DONE]
+
+    worker = threading.Thread(target=bad, daemon=True)
+    worker.start()
+    assert started.wait(60)
+    # the bad request goes on: 200 "a"s (re would need years for one scan); another request
+    # completes meanwhile
+    for _ in range(2400):
+        if server.engine.stats()["decode_tokens_total"] >= 200:
+            break
+        time.sleep(0.05)
+    assert server.engine.stats()["decode_tokens_total"] >= 200
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        small = client.post(
+            "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}}
+        )
+    assert small.status_code == 200 and small.json()["meta_info"]["completion_tokens"] == 1
+    server.engine.abort("runs-of-a")  # at once: no scan holds the engine's thread
+    worker.join(60)
+    assert outcome["bad"] == 200, outcome
+    assert json.loads(outcome["last"].removeprefix("data: "))["meta_info"]["finish_reason"] == {
+        "type": "abort"
+    }

@@ -11,6 +11,10 @@ how many ended as they should.
 Each server runs the default model with a 4,096-token KV pool, its address space capped at
 6 GiB (a runaway grammar fails there instead of taking the machine); after a crash or a leak
 the server is restarted, so every case starts from a healthy one.
+
+The cases of hostile_cases_tenants.py run against a second server with two tenants' API keys
+and an admin key (silent acceptance, tenants, starvation, shutdown), and its replica cases
+against a third, `--replicas 2` on Ray (no address-space cap: Ray maps large regions).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from dataclasses import dataclass
 
 import httpx
 from hostile_cases import CASES, Case, Outcome
+from hostile_cases_tenants import CASES as TENANT_CASES
+from hostile_cases_tenants import KEYS, REPLICA_CASES
 
 MEMORY_CAP_BYTES = 6 << 30
 SETTLE_S = 5.0
@@ -42,14 +48,23 @@ COLUMNS = ("cases", "2xx", "4xx", "5xx", "hangs", "crashes", "leaks", "stalls", 
 class ServerProcess:
     """`python -m flowlang serve` from one source tree, restartable."""
 
-    def __init__(self, tree: str, port: int, log_path: str) -> None:
+    def __init__(
+        self, tree: str, port: int, log_path: str, tenants: bool = False, replicas: int = 0
+    ) -> None:
         self.tree, self.port, self.log_path = os.path.abspath(tree), port, log_path
         self.url = f"http://127.0.0.1:{port}"
         self.process: subprocess.Popen | None = None
+        self.tenants, self.replicas = tenants, replicas
+        self.headers = {"authorization": f"Bearer {KEYS['admin']}"} if tenants else {}
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONPATH": self.tree, "HF_HUB_OFFLINE": "1"}
         command = [sys.executable, "-m", "flowlang", "serve", "--max-kv-tokens", "4096"]
+        if self.tenants:
+            env["FLOWLANG_API_KEYS"] = f"{KEYS['a']},{KEYS['b']}"
+            env["FLOWLANG_ADMIN_KEYS"] = KEYS["admin"]
+        if self.replicas:
+            command += ["--replicas", str(self.replicas)]
         with open(self.log_path, "a") as log:
             self.process = subprocess.Popen(
                 [*command, "--port", str(self.port)],
@@ -57,10 +72,10 @@ class ServerProcess:
                 env=env,
                 stdout=log,
                 stderr=log,
-                preexec_fn=_cap_memory,
+                preexec_fn=None if self.replicas else _cap_memory,
                 start_new_session=True,
             )
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server from {self.tree} exited: see {self.log_path}")
@@ -82,7 +97,8 @@ class ServerProcess:
 
     def busy(self) -> bool:
         """Whether requests or pins are still in the engine."""
-        stats = httpx.get(f"{self.url}/server_info", timeout=10).json()["stats"]
+        info = httpx.get(f"{self.url}/server_info", headers=self.headers, timeout=10)
+        stats = info.json()["stats"]
         return bool(stats["num_running"] or stats["num_waiting"] or stats.get("num_pins", 0))
 
 
@@ -131,15 +147,20 @@ def run_case(server: ServerProcess, watch: HealthWatch, case: Case, control: lis
     """One case, then the checks; restarts the server after a crash or a leak."""
     watch.take()
     try:
-        outcome = case.run(server.url)
+        outcome = case.run(server if case.process else server.url)
     except httpx.TimeoutException:
         outcome = "hang"
     except httpx.TransportError:
         outcome = "closed"
+    if case.process:  # it signalled the server: its outcome says how that went; start afresh
+        server.stop()
+        server.start()
+        watch.take()
+        return Verdict(outcome, False, False, False, case.is_expected(outcome))
     stalled = watch.take() > 1.0
     crashed = server.process.poll() is not None or server.health(10) != 200
     if not crashed:
-        crashed = _control(server.url) != control
+        crashed = _control(server) != control
     leaked = False
     if not crashed:
         try:
@@ -156,25 +177,30 @@ def run_case(server: ServerProcess, watch: HealthWatch, case: Case, control: lis
     return Verdict(outcome, crashed, leaked, stalled, expected)
 
 
-def _control(url: str) -> list | None:
+def _control(server: ServerProcess) -> list | None:
     try:
-        response = httpx.post(f"{url}/generate", json=CONTROL, timeout=60)
+        response = httpx.post(
+            f"{server.url}/generate", json=CONTROL, headers=server.headers, timeout=60
+        )
     except httpx.HTTPError:
         return None
     return response.json().get("output_ids") if response.status_code == 200 else None
 
 
-def measure(tree: str, port: int, record_path: str, cases: list[Case]) -> dict[str, Counter]:
-    """`cases` against a server from `tree`: counts per category. Each verdict is appended to
-    `record_path` (JSON lines); cases recorded there already are not run again (--resume)."""
+def measure(
+    tree: str, port: int, record_path: str, cases: list[Case], **server_kinds
+) -> dict[str, Counter]:
+    """`cases` against a server from `tree` (`server_kinds`: tenants, replicas): counts per
+    category. Each verdict is appended to `record_path` (JSON lines); cases recorded there
+    already are not run again (--resume)."""
     records = _records(record_path)
-    server = ServerProcess(tree, port, record_path.replace(".jsonl", ".log"))
+    server = ServerProcess(tree, port, record_path.replace(".jsonl", ".log"), **server_kinds)
     todo = [case for case in cases if case.name not in records]
     if todo:
         server.start()
         watch = HealthWatch(server.url)
         watch.start()
-        control = _control(server.url)
+        control = _control(server)
     try:
         for case in todo:
             verdict = run_case(server, watch, case, control)
@@ -244,16 +270,29 @@ def main() -> None:
         "--resume", action="store_true", help="keep the verdicts recorded by an earlier run"
     )
     args = parser.parse_args()
-    cases = [c for c in CASES if not args.category or c.category in args.category]
-    results = {}
+    suites = {  # suite: its cases, the server they run against
+        "plain": (CASES, {}),
+        "tenants": (TENANT_CASES, {"tenants": True}),
+        "replicas": (REPLICA_CASES, {"tenants": True, "replicas": 2}),
+    }
+    chosen = {
+        suite: [c for c in cases if not args.category or c.category in args.category]
+        for suite, (cases, _) in suites.items()
+    }
+    results: dict[str, dict[str, Counter]] = {}
     for spec in args.tree:
         name, _, path = spec.partition("=")
         print(f"{name}: {path}", file=sys.stderr, flush=True)
-        record_path = f"/tmp/hostile_bench_{name}.jsonl"
-        if not args.resume and os.path.exists(record_path):
-            os.remove(record_path)
-        results[name] = measure(path, args.port, record_path, cases)
-    print_tables(results, cases)
+        results[name] = {}
+        for suite, cases in chosen.items():
+            if not cases:
+                continue
+            record_path = f"/tmp/hostile_bench_{name}_{suite}.jsonl"
+            if not args.resume and os.path.exists(record_path):
+                os.remove(record_path)
+            kinds = suites[suite][1]
+            results[name].update(measure(path, args.port, record_path, cases, **kinds))
+    print_tables(results, [c for cases in chosen.values() for c in cases])
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ class Case:
     name: str
     run: Callable[[str], Outcome]
     expect: tuple[str, ...]  # outcome prefixes that are right: "4" is any 4xx
+    process: bool = False  # run() takes the ServerProcess (it signals it), not its URL
 
     def is_expected(self, outcome: Outcome) -> bool:
         return outcome.startswith(self.expect)
@@ -72,7 +73,7 @@ def malformed() -> list[Case]:
     s = SURROGATE
     bodies = {
         "lone surrogate /generate": ("/generate", f'{{"text": "{s}"}}'),
-        "lone surrogate completions": ("/v1/completions", f'{{"model": "m", "prompt": "{s}"}}'),
+        "lone surrogate completions": ("/v1/completions", f'{{"prompt": "{s}"}}'),
         "lone surrogate chat": (CHAT, user(s).replace("\\\\", "\\")),
         "lone surrogate tokenize": ("/v1/flowlang/tokenize", f'{{"text": "{s}"}}'),
         "lone surrogate score": (
@@ -81,11 +82,11 @@ def malformed() -> list[Case]:
         ),
         "content part text 7": (CHAT, '{"messages": [{"role": "user", "content": [{"text": 7}]}]}'),
         "temperature Infinity": ("/generate", gen(temperature="Infinity")),
-        "completions prompt []": ("/v1/completions", '{"model": "m", "prompt": []}'),
+        "completions prompt []": ("/v1/completions", '{"prompt": []}'),
         "not JSON": ("/generate", "{'text': nope"),
         "not UTF-8": ("/generate", '{"text": "\xff"}'),
         "max_new_tokens -5": ("/generate", gen(max_new_tokens=-5)),
-        "n 10000": ("/v1/completions", {"model": "m", "prompt": "hi", "n": 10000}),
+        "n 10000": ("/v1/completions", {"prompt": "hi", "n": 10000}),
         "10,000 stop strings": ("/generate", gen(stop=[f"s{i}" for i in range(10_000)])),
         "top_logprobs 1e9": (
             CHAT,
@@ -173,7 +174,7 @@ def disconnects() -> list[Case]:
         "8 clients leave /generate": ("/generate", {"text": "Tell me", "sampling_params": LONG}),
         "8 clients leave completions": (
             "/v1/completions",
-            {"model": "m", "prompt": "Tell me", "max_tokens": 1000, "ignore_eos": True},
+            {"prompt": "Tell me", "max_tokens": 1000, "ignore_eos": True},
         ),
         "8 clients leave chat": (CHAT, {**chat, "ignore_eos": True}),
     }
@@ -287,7 +288,7 @@ def stream_failures() -> list[Case]:
         Case(
             "stream",
             "completions stream crowded out",
-            crowded("/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 4}),
+            crowded("/v1/completions", {"prompt": ids, "max_tokens": 4}),
             ("503",),
         ),
         Case(

@@ -2,11 +2,16 @@
 
 Each request is routed, run on its replica's actor, and answered exactly once. If the replica
 dies under it (killed, node lost), the replica leaves the router (its tree and pins with it),
-and the request is routed again to a live one; when Ray has restarted the actor it rejoins,
-empty. A follower thread per replica applies its KV events to the router's tree as they come
-(a long poll over Ray that returns at the first event: no polling cadence); a health thread
-asks each replica every second whether its engine runs, and has Ray restart one whose engine
-stopped (or that stopped answering).
+and the request is routed again to a live one (a streamed one only if its caller takes back
+what it was sent); when Ray has restarted the actor it rejoins, empty. A request no replica
+could finish gets an error result of kind "busy" (a 503 over HTTP), never a client error.
+
+A follower thread per replica applies its KV events to the router's tree as they come (a long
+poll over Ray that returns at the first event: no polling cadence); a health thread asks each
+replica every second whether its engine runs, and has Ray restart one whose engine stopped (or
+that stopped answering). A watchdog pings Ray's control store (the GCS) every second: once it
+stops answering, `control_lost` says so (the front's /health turns 503 and its server drains
+and exits; the replicas keep answering what they run meanwhile).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from runtime.cache.chunks import TierView
 from runtime.cluster.event_reader import RemoteKVSubscription
 from runtime.cluster.mirror import MirrorDesyncError
 from runtime.cluster.policy import RouterConfig
-from runtime.cluster.ray_support import init_ray
+from runtime.cluster.ray_support import gcs_unreachable, init_ray
 from runtime.cluster.replica import replica_actor_class
 from runtime.cluster.router import NoReplicaError, Router
 from runtime.config import EngineConfig
@@ -44,6 +49,10 @@ EVENT_WAIT_S = 1.0  # a follower's long poll returns at the first event, else af
 REJOIN_POLL_S = 0.5  # how often a dead replica is asked whether Ray restarted it
 HEALTH_INTERVAL_S = 1.0  # how often every live replica is asked whether its engine runs
 HEALTH_TIMEOUT_S = 30.0  # a replica that does not answer within this is restarted
+GCS_PING_INTERVAL_S = 1.0  # how often the watchdog pings Ray's control store
+GCS_PING_TIMEOUT_S = 3.0  # one ping's limit: the store answers in milliseconds when up
+GCS_MISSES = 2  # pings failed in a row before the store counts as lost (not one slow reply)
+GCS_LOST_GRACE_S = 20.0  # at most this to drain once it is lost: Ray ends the driver at 60 s
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,9 @@ class Cluster:
             self._start_follower(replica_id)
         self._health = threading.Thread(target=self._watch_health, name="health", daemon=True)
         self._health.start()
+        self.control_lost: str | None = None  # why Ray's control store is gone, once it is
+        self._watchdog = threading.Thread(target=self._watch_gcs, name="gcs", daemon=True)
+        self._watchdog.start()
 
     def _init_replicas(self) -> None:
         """Start (or join) Ray, start the actors, and route to each once it has started."""
@@ -136,10 +148,14 @@ class Cluster:
         request: GenerateRequest,
         prefer: int | None = None,
         on_chunk: Callable[[StreamChunk], None] | None = None,
+        retract: Callable[[], bool] | None = None,
     ) -> Future:
         """Run a request on the routed (or `prefer`red) replica; the future gets one result.
-        With `on_chunk`, the replica streams: each chunk is passed on as it arrives."""
-        return self._executor.submit(self._generate, request, prefer, on_chunk)
+        With `on_chunk`, the replica streams: each chunk is passed on as it arrives. If that
+        replica dies after some chunks, `retract()` is asked to take them back: True (nobody
+        read them) runs the request again elsewhere, False (or no `retract`) ends it with an
+        error result."""
+        return self._executor.submit(self._generate, request, prefer, on_chunk, retract)
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         """Run requests concurrently; results in order."""
@@ -181,23 +197,42 @@ class Cluster:
         """The replica holding a pin (None once released or its replica died)."""
         return self.router.replica_of_pin(pin_id)
 
-    def _generate(self, request: GenerateRequest, prefer: int | None, on_chunk) -> GenerateResult:
+    def _generate(
+        self, request: GenerateRequest, prefer: int | None, on_chunk, retract
+    ) -> GenerateResult:
         ids, rid = request.input_ids or [], request.rid
         method = "generate" if on_chunk is None else "generate_stream"
         try:
             return self._call(
-                rid, ids, request.namespace, prefer, method, request, on_chunk=on_chunk
+                rid,
+                ids,
+                request.namespace,
+                prefer,
+                method,
+                request,
+                on_chunk=on_chunk,
+                retract=retract,
             )
         except NoReplicaError as err:
-            return error_result(rid, f"no replica could run the request: {err}")
+            return unavailable_result(rid, f"no replica could run the request: {err}")
         except StreamBrokenError as err:
-            return error_result(rid, str(err))
+            return unavailable_result(rid, str(err))
 
     def _call(
-        self, rid, ids, namespace, prefer, method: str, *args, where: bool = False, on_chunk=None
+        self,
+        rid,
+        ids,
+        namespace,
+        prefer,
+        method: str,
+        *args,
+        where: bool = False,
+        on_chunk=None,
+        retract=None,
     ):
         """Route, call `method` on the replica's actor, re-route if the replica dies (unless
-        part of a streamed answer has already gone to the client: then StreamBrokenError)."""
+        part of a streamed answer has already gone to the client and `retract` cannot take it
+        back: then StreamBrokenError)."""
         ray = self._ray
         for _ in range(self.config.max_attempts):
             replica_id = self.router.route(rid, ids, namespace, prefer)
@@ -209,7 +244,7 @@ class Cluster:
             except ray.exceptions.RayActorError:  # died (or unreachable) under the request
                 self.router.finish(rid)
                 self._lost(replica_id)
-                if streamed[0]:
+                if streamed[0] and (retract is None or not retract()):
                     raise StreamBrokenError(
                         f"{rid}: the replica streaming it died after {streamed[0]} chunks; "
                         "the answer so far stands, retry for the rest"
@@ -356,6 +391,18 @@ class Cluster:
                 if not healthy and not self._closed.is_set():
                     self._restart(replica_id, incarnation)
 
+    def _watch_gcs(self) -> None:
+        """Ping Ray's control store; after GCS_MISSES failed pings in a row, say it is lost.
+        Actor calls go straight to the replicas, so what runs finishes; nothing new can be
+        placed, restarted or killed through Ray."""
+        misses = 0
+        while not self._closed.wait(GCS_PING_INTERVAL_S):
+            problem = gcs_unreachable(self._ray, GCS_PING_TIMEOUT_S)
+            misses = misses + 1 if problem is not None else 0
+            if misses >= GCS_MISSES:
+                self.control_lost = f"Ray's control store (GCS) does not answer: {problem}"
+                return
+
     def _await_rejoin(self, replica_id: int) -> None:
         threading.Thread(target=self._rejoin, args=(replica_id,), daemon=True).start()
 
@@ -419,7 +466,10 @@ class Cluster:
         for follower in self._followers:
             follower.join(timeout=EVENT_WAIT_S + 5)
         self._health.join(timeout=5)
+        self._watchdog.join(timeout=GCS_PING_TIMEOUT_S + 5)
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self.control_lost is not None:
+            return  # killing goes through the lost store; the replicas end with this driver
         for actor in self.actors.values():
             self._ray.kill(actor, no_restart=True)
 
@@ -428,6 +478,12 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def unavailable_result(rid: str, message: str) -> GenerateResult:
+    """The result of a request the cluster could not finish (its replicas died): kind "busy",
+    a 503 over HTTP, since the same request may succeed once the replicas are back."""
+    return error_result(rid, message).model_copy(update={"error_kind": "busy"})
 
 
 class StreamBrokenError(RuntimeError):

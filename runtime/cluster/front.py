@@ -2,7 +2,9 @@
 
 `create_app(ClusterEngine(cluster), settings)` serves the same SGLang, OpenAI and flowlang
 routes as one engine. Requests are validated here, at the front (a bad one gets its 4xx before
-it is routed), then routed; the replica streams its chunks back through Ray as they come.
+it is routed), then routed; the replica streams its chunks back through Ray as they come. If
+the replica dies, a request whose chunks nobody has read yet (every non-streamed one) runs
+again on another replica; a stream that already sent some ends with a 503 error frame.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 from runtime.cache.view import CacheView, merge_views
 from runtime.cluster.cluster import Cluster
 from runtime.constrain.formats import model_reasoning_format, model_tool_format
-from runtime.errors import EngineClosedError, InvalidRequestError
+from runtime.errors import EngineBusyError, EngineClosedError, InvalidRequestError
 from runtime.handles import RequestHandle
 from runtime.intake import RequestIntake
 from runtime.model.registry import resolve_model
@@ -24,6 +26,8 @@ from runtime.protocol import GenerateRequest, GraphHints, ScoreRequest, StreamCh
 from runtime.results import error_result
 from runtime.scoring import Cancellation
 from runtime.summary import EngineSummary
+
+RETRACT_TIMEOUT_S = 30.0  # for the event loop to take back a handle's chunks (it never blocks)
 
 
 class _Scorer:
@@ -80,7 +84,13 @@ class ClusterEngine:
             streamed[0] += 1
             handle.push_chunk(chunk)
 
-        future = self.cluster.submit(request, on_chunk=on_chunk)
+        def retract() -> bool:  # the replica died: run it again if nobody read a chunk
+            if not handle.retract(RETRACT_TIMEOUT_S):
+                return False
+            streamed[0] = 0
+            return True
+
+        future = self.cluster.submit(request, on_chunk=on_chunk, retract=retract)
         future.add_done_callback(lambda done: _deliver(handle, request.rid, done, streamed[0]))
         return handle
 
@@ -141,13 +151,18 @@ class ClusterEngine:
 
     @property
     def is_alive(self) -> bool:
-        """Whether any replica is routed to."""
-        return not self._closed and bool(self.cluster.router.replica_ids)
+        """Whether any replica is routed to, and Ray's control store answers."""
+        cluster = self.cluster
+        return (
+            not self._closed and cluster.control_lost is None and bool(cluster.router.replica_ids)
+        )
 
     @property
     def fatal_error(self) -> str | None:
         """Why the front cannot serve, if it cannot."""
-        return None if self.is_alive or self._closed else "no live replica"
+        if self.is_alive or self._closed:
+            return None
+        return self.cluster.control_lost or "no live replica"
 
     @property
     def closed(self) -> bool:
@@ -177,6 +192,7 @@ def _deliver(handle: RequestHandle, rid: str, done: Future, num_streamed: int) -
         result = done.result()
     except Exception as err:  # noqa: BLE001 - the client gets it as its request's error
         result = error_result(rid, f"the cluster could not run the request: {err}")
+        result = result.model_copy(update={"error_kind": _kind_of(err)})
     if num_streamed:
         handle.deliver(result)
         return
@@ -192,6 +208,16 @@ def _deliver(handle: RequestHandle, rid: str, done: Future, num_streamed: int) -
         handle.push_chunk(chunk)
     finally:
         handle.deliver(result)
+
+
+def _kind_of(err: Exception) -> str:
+    """The error kind (and so the HTTP status) of an error the cluster raised: its own for a
+    refused or a busy request, else internal (never a client error for the cluster's fault)."""
+    if isinstance(err, InvalidRequestError):
+        return "invalid"
+    if isinstance(err, EngineBusyError):
+        return "busy"
+    return "internal"
 
 
 def _load_tokenizer(model: str) -> Any:

@@ -5,6 +5,7 @@ joins an existing one)."""
 from __future__ import annotations
 
 import os
+import socket
 from types import ModuleType
 
 RAY_EXTRA_HINT = "pip install 'flowlang[ray]'"
@@ -43,3 +44,16 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> ModuleT
             log_to_driver=False,
         )
     return ray
+
+
+def gcs_unreachable(ray: ModuleType, timeout_s: float) -> str | None:
+    """Why Ray's control store (the GCS) did not take a connection within `timeout_s`, or
+    None if it did. Ray's own driver only gives up on a lost GCS after a minute; a front that
+    asks can stop serving (and say so on /health) at once. A connection, not an RPC: Ray has
+    no public call with a timeout, and a dead GCS refuses connections at once."""
+    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return None
+    except OSError as err:  # refused, unreachable, or too slow
+        return str(err) or type(err).__name__

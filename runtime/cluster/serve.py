@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from runtime.cluster.cluster import Cluster, ClusterConfig
+from runtime.cluster.cluster import GCS_LOST_GRACE_S, Cluster, ClusterConfig
 from runtime.cluster.front import ClusterEngine
 from runtime.config import EngineConfig
 from runtime.server.state import ServerSettings
@@ -15,9 +15,12 @@ def serve_cluster(
     cluster_config: ClusterConfig,
     settings: ServerSettings,
     sock: socket.socket | None = None,
-) -> None:
-    """Start (or join) Ray, start the replicas, serve until interrupted, then stop them.
-    `sock`: the listening socket, bound before the replicas start (bound here if not given)."""
+) -> int:
+    """Start (or join) Ray, start the replicas, serve until SIGTERM or SIGINT, drain, then stop
+    them; return the exit status. If Ray's control store is lost, the server drains (within
+    GCS_LOST_GRACE_S, before Ray ends this driver) and the status is 70, so that a supervisor
+    starts it again. `sock`: the listening socket, bound before the replicas start (bound here
+    if not given)."""
     from runtime.server.app import run_app
     from runtime.server.listen import bind_socket
 
@@ -29,6 +32,12 @@ def serve_cluster(
         sock.close()
         raise
     try:
-        run_app(front, settings, sock)
+        return run_app(
+            front,
+            settings,
+            sock,
+            fatal=lambda: front.cluster.control_lost,
+            fatal_grace_s=GCS_LOST_GRACE_S,
+        )
     finally:
         front.close()

@@ -62,8 +62,14 @@ class GrammarCache:
         self.probe.start()
         self.compile_seconds: dict[str, float] = {}
 
+    def is_compiled(self, key: str) -> bool:
+        """Whether the constraint of `key` (constraint_key) is compiled and cached: compile()
+        would return at once."""
+        with self._lock:
+            return key in self._compiled
+
     def compile(self, constraint: Constraint) -> Any:
-        key = json.dumps(constraint.model_dump(), sort_keys=True)  # ASCII: lone surrogates too
+        key = constraint_key(constraint)
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
@@ -97,8 +103,14 @@ class GrammarCache:
             self.compile_seconds.pop(key, None)
             total -= compiled.memory_size_bytes
 
-    def new_state(self, constraint: Constraint) -> ConstraintState:
-        return ConstraintState(self, self._xgr.GrammarMatcher(self.compile(constraint)))
+    def new_state(self, compiled: Any) -> ConstraintState:
+        """A request's matcher over a grammar compile() returned."""
+        return ConstraintState(self, self._xgr.GrammarMatcher(compiled))
+
+
+def constraint_key(constraint: Constraint) -> str:
+    """What the cache knows a constraint by (check_nesting it first: this recurses)."""
+    return json.dumps(constraint.model_dump(), sort_keys=True)  # ASCII: lone surrogates too
 
 
 def check_nesting(constraint: Constraint) -> None:

@@ -15,6 +15,7 @@ JSON line) with a verdict (one JSON line on its stdout).
 from __future__ import annotations
 
 import json
+import os
 import resource
 import select
 import signal
@@ -146,9 +147,13 @@ def _death(returncode: int) -> ProbeVerdict:
     return ProbeVerdict("crashed", f"exit status {returncode}")
 
 
+CHILD_NICENESS = 10  # trials are background work: a slow one must not slow everyone's steps
+
+
 def _serve(memory_limit_bytes: int) -> None:
     """The child: read the tokenizer info, cap the address space, then answer trials."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's; it closes stdin
+    os.nice(CHILD_NICENESS)  # its imports included: on a busy machine the engine's step first
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.deserialize_json(sys.stdin.readline())

@@ -1,9 +1,10 @@
 """Batched sampling where every row has its own parameters, seed and penalties.
 
-Order per row: penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> draw
-with the row's own generator (so a seeded request reproduces whatever it is batched with).
-Reported logprobs are of the model's raw distribution (before penalties and temperature),
-which is what `select` scoring and OpenAI-style logprobs mean.
+Order per row: penalties -> logit_bias -> grammar mask -> greedy argmax, or temperature ->
+top-k -> top-p -> min-p -> draw with the row's own generator (so a seeded request reproduces
+whatever it is batched with). Reported logprobs are of the model's raw distribution (before
+penalties, logit_bias and temperature), which is what `select` scoring and OpenAI-style
+logprobs mean.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class SamplerState:
     constraint: Any = None  # a ConstraintState (runtime.constrain.grammar) or None
     seen_mask: torch.Tensor | None = None  # (vocab,) bool: prompt + output tokens (penalties)
     output_counts: torch.Tensor | None = None  # (vocab,) float: output token counts (penalties)
+    bias_ids: torch.Tensor | None = None  # (k,) int64: logit_bias's token ids
+    bias_values: torch.Tensor | None = None  # (k,) float: what is added to their logits
 
     @classmethod
     def for_request(
@@ -51,6 +54,9 @@ class SamplerState:
             state.seen_mask = torch.zeros(vocab_size, dtype=torch.bool)
             state.seen_mask[torch.as_tensor(list(prompt_ids), dtype=torch.int64)] = True
             state.output_counts = torch.zeros(vocab_size, dtype=torch.float32)
+        if params.logit_bias:
+            state.bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.int64)
+            state.bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
         return state
 
     def observe(self, token_id: int) -> None:
@@ -83,11 +89,14 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerState]) -> SampleOutput:
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
     penalized = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    biased = [i for i, r in enumerate(rows) if r.bias_ids is not None]
     constrained = [r.constraint for r in rows]
-    if penalized or any(c is not None for c in constrained):
+    if penalized or biased or any(c is not None for c in constrained):
         logits = logits.clone()
     if penalized:
         _apply_penalties(logits, penalized, rows)
+    for i in biased:
+        logits[i].index_add_(0, rows[i].bias_ids, rows[i].bias_values)
     if any(c is not None for c in constrained):
         from runtime.constrain.grammar import apply_constraints
 
@@ -132,7 +141,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerState]) -> SampleOutput:
 
 def _device_sampleable(row: SamplerState) -> bool:
     p = row.params
-    return not (p.logprobs or p.top_logprobs or p.needs_penalties) and row.constraint is None
+    return (
+        not (p.logprobs or p.top_logprobs or p.needs_penalties or p.logit_bias)
+        and row.constraint is None
+    )
 
 
 def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplerState]) -> SampleOutput:

@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -23,10 +23,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.server import dashboard, events_api, flowlang_api, openai_api, ops, sglang_api
+from runtime.server.drain import FAIL_GRACE_S, Drain
 from runtime.server.errors import (
     AsciiJSONResponse,
     BodyReadTimeoutError,
     BodyTooLargeError,
+    ShuttingDownError,
     error_response,
     install_error_handlers,
 )
@@ -37,6 +39,8 @@ __all__ = ["ServerSettings", "create_app", "serve"]
 ADMIN_PATHS = frozenset(
     {"/flush_cache", "/start_profile", "/stop_profile", "/v1/flowlang/kv_events"}
 )
+PROBE_PATHS = frozenset({"/health", "/metrics"})  # answered while draining, never waited for
+FOLLOWER_PATHS = frozenset({"/v1/flowlang/kv_events"})  # endless: they end when a drain begins
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
@@ -44,6 +48,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     server = Server(engine, settings or ServerSettings())
     app = FastAPI(title="flowlang", lifespan=_lifespan, default_response_class=AsciiJSONResponse)
     app.state.server = server
+    app.state.drain = Drain(server.settings.drain_timeout)
     app.state.tree_views = dashboard.TreeViews()
     # the last added runs first: the guard, then the body limit right around the routes
     app.add_middleware(
@@ -51,7 +56,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         limit_bytes=server.settings.max_body_bytes,
         read_timeout_s=server.settings.body_read_timeout_s,
     )
-    app.add_middleware(Guard, server=server)
+    app.add_middleware(Guard, server=server, drain=app.state.drain)
     install_error_handlers(app, server)
     for api in (ops, sglang_api, openai_api, flowlang_api, events_api, dashboard):
         app.include_router(api.router)
@@ -78,15 +83,18 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 class Guard:
     """ASGI middleware: refuse an oversized declared body (413) or a missing or wrong API key
-    (401); admin routes need an admin key (403). Requests are counted after the key check, by
-    route template only (a label from the raw path would let anyone write into /metrics).
+    (401); admin routes need an admin key (403); while the server drains for shutdown, every
+    new request but the probes gets a 503 with Retry-After. Requests are counted after the key
+    check, by route template only (a label from the raw path would let anyone write into
+    /metrics), and those the drain waits for are counted while they run.
 
     Plain ASGI rather than Starlette's BaseHTTPMiddleware, whose wrapped `receive` hides a
     client's disconnect from the routes (so nobody could abort its work)."""
 
-    def __init__(self, app: ASGIApp, server: Server) -> None:
+    def __init__(self, app: ASGIApp, server: Server, drain: Drain) -> None:
         self.app = app
         self.server = server
+        self.drain = drain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -96,13 +104,27 @@ class Guard:
         if refusal is not None:
             await refusal(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        path = scope["path"]
+        awaited = path not in PROBE_PATHS and path not in FOLLOWER_PATHS  # by a drain
+        self.drain.in_flight += int(awaited)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.in_flight -= int(awaited)
         route = scope.get("route")
         self.server.http_requests[route.path if route is not None else "unmatched"] += 1
 
     def _refusal(self, request: Request) -> Response | None:
         """An error response for a request that must not reach the routes; sets its tenant."""
         server = self.server
+        if self.drain.draining and request.url.path not in PROBE_PATHS:
+            return error_response(
+                503,
+                "the server is shutting down and takes no new requests; retry elsewhere",
+                server,
+                retry_after_s=ShuttingDownError.retry_after_s,
+                headers={"Connection": "close"},
+            )
         limit = server.settings.max_body_bytes
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
@@ -188,8 +210,9 @@ class BodyLimit:
 
 def serve(
     engine_config: EngineConfig, settings: ServerSettings, sock: socket.socket | None = None
-) -> None:
-    """Run the server until interrupted; then drain, release every pin, stop the engine.
+) -> int:
+    """Run the server until interrupted; then drain, release every pin, stop the engine;
+    return the exit status (0 after a signal's drain).
 
     `sock`: the listening socket (runtime.server.listen.bind_socket), bound before the engine
     loads so that a port in use fails at once; bound here if not given. If the engine's loop
@@ -205,31 +228,45 @@ def serve(
         sock.close()
         raise
     threading.Thread(target=_exit_if_engine_dies, args=(engine,), daemon=True).start()
-    run_app(engine, settings, sock)
+    return run_app(engine, settings, sock)
 
 
-def run_app(engine: Engine, settings: ServerSettings, sock: socket.socket | None = None) -> None:
+def run_app(
+    engine: Engine,
+    settings: ServerSettings,
+    sock: socket.socket | None = None,
+    fatal: Callable[[], str | None] | None = None,
+    fatal_grace_s: float | None = None,
+) -> int:
     """Serve `engine` (or anything with its surface: runtime.cluster.front) on `sock` (bound
-    to settings' host and port if not given) until interrupted; the app's shutdown drains and
-    closes it. Prints the engine's summary and the address first."""
-    import uvicorn
+    to settings' host and port if not given) until SIGTERM or SIGINT; then drain
+    (runtime/server/drain.py) and close it. Prints the engine's summary and the address first.
 
-    from runtime.server.listen import bind_socket, uvicorn_config
+    `fatal`, asked ten times a second, names why the engine can no longer serve (else None):
+    then the server drains (within `fatal_grace_s`, if given) and this returns 70, so that a
+    supervisor restarts it. Returns the exit status: 0 after a signal's drain."""
+    from runtime.server.listen import DrainingServer, bind_socket, uvicorn_config
 
     if sock is None:
         sock = bind_socket(settings.host, settings.port)
+    app = create_app(engine, settings)
     config = uvicorn_config(
-        create_app(engine, settings),
+        app,
         settings,
         log_level="info",
-        timeout_graceful_shutdown=int(settings.drain_timeout) + 5,
+        # the drain has already waited for (or failed) every request by then
+        timeout_graceful_shutdown=int(FAIL_GRACE_S) + 5,
         timeout_keep_alive=5,
     )
     host, port = settings.host, sock.getsockname()[1]  # port 0 asked for any free one
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     print(engine.summary().render(), file=sys.stderr)
     print(f"[flowlang] serving on {url}; live page: {url}/dashboard", file=sys.stderr, flush=True)
-    uvicorn.Server(config).run(sockets=[sock])
+    drain: Drain = app.state.drain
+    DrainingServer(config, drain, fatal, fatal_grace_s).run(sockets=[sock])
+    if drain.reason is not None:
+        print(f"[flowlang] stopped ({drain.reason})", file=sys.stderr, flush=True)
+    return drain.exit_status
 
 
 def _exit_if_engine_dies(engine: Engine) -> None:

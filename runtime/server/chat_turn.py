@@ -33,7 +33,15 @@ from runtime.server.schemas import ChatBody
 
 # template variables a request may not set through chat_template_kwargs
 _RESERVED_TEMPLATE_VARIABLES = frozenset(
-    {"messages", "tools", "documents", "add_generation_prompt", "tokenize", "return_dict"}
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+    }
 )
 _PROMPT_TAIL_TOKENS = 32  # enough of the prompt's end to see an opened reasoning block
 
@@ -70,7 +78,8 @@ def plan_chat(engine: Any, body: ChatBody) -> ChatPlan:
         ids = tokenizer.apply_chat_template(
             rendered,
             tools=tools_arg,
-            add_generation_prompt=True,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
             tokenize=True,
             return_dict=True,
             **kwargs,

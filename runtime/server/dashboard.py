@@ -4,7 +4,8 @@ and the pins (behind a router front: every replica's tree, each namespace tagged
 
 Auth is the server's: every API key works, as a Bearer header or, so that a browser can log
 in, as the password of HTTP Basic auth (Guard in app.py). With API keys, a key that is not an
-admin key sees the text of its own cache namespace only.
+admin key sees its own cache namespaces and pins only: nothing of another tenant's (no
+namespace, salt, pin id, token or count) is sent, only the server-wide totals /metrics has.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import asyncio
 import math
 import pathlib
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -93,12 +94,22 @@ _TREE_CHANGES = ("steps_total", "cache_tokens", "cache_nodes", "num_pins", "evic
 
 
 def _for_caller(view: CacheView, request: Request, server: Server) -> CacheView:
-    """Without keys, or for an admin key, everything; else only the caller's namespaces' text."""
-    tenant = server.tenant(request)
+    """Without keys, or for an admin key, everything; else only the caller's own namespaces
+    and the pins in them (the server-wide totals stay: /metrics shows them to every key)."""
     if not server.keys or server.is_admin(request):
         return view
-    own, salted = repr(tenant), repr(tenant)[:-1] + "/"  # the tag, or the tag + "/" + a salt
-    return view.redacted(lambda namespace: namespace == own or namespace.startswith(salted))
+    tenant = server.tenant(request)
+
+    def owned(namespace: str) -> bool:
+        """Whether a namespace's repr is the tenant's tag, or the tag + "/" + a salt."""
+        quote, text = namespace[:1], namespace[1:]
+        return quote in ("'", '"') and (text == tenant + quote or text.startswith(tenant + "/"))
+
+    return replace(
+        view,
+        namespaces=tuple(ns for ns in view.namespaces if owned(ns.namespace)),
+        pins=tuple(pin for pin in view.pins if owned(pin.namespace)),
+    )
 
 
 def _tree(view: CacheView) -> dict:

@@ -70,6 +70,13 @@ class ClientGone(Exception):
     """The client disconnected before its result was ready (the request was aborted)."""
 
 
+class ShuttingDownError(Exception):
+    """The server is shutting down: it takes no new request, and one still running when the
+    drain's grace period ended was stopped (runtime/server/drain.py)."""
+
+    retry_after_s = 5  # about a restart; a balancer sends the retry to another instance
+
+
 # error -> (status, message); a None message means the error's own
 STATUS: dict[type[Exception], tuple[int, str | None]] = {
     InvalidRequestError: (400, None),
@@ -82,6 +89,7 @@ STATUS: dict[type[Exception], tuple[int, str | None]] = {
     RequestError: (500, None),
     EngineBusyError: (503, None),
     EngineClosedError: (503, "the server is shutting down"),
+    ShuttingDownError: (503, None),
 }
 
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from runtime.handles import RequestHandle
 from runtime.protocol import GenerateRequest, GraphHints, PinInfo, ScoreRequest
-from runtime.scoring import Cancellation
-from runtime.server.state import ServerDep
+from runtime.scoring import Cancellation, check_score_size, num_in_flight
+from runtime.server.state import ServerDep, TenantHandle
 from runtime.server.streaming import sse, unless_gone
 
 router = APIRouter(prefix="/v1/flowlang")
@@ -67,29 +67,46 @@ async def generate(body: GenerateRequest, request: Request, server: ServerDep):
     return sse(server.engine, handles, _events(handles[0]))
 
 
-async def _events(handle: RequestHandle) -> AsyncGenerator[str, None]:
+async def _events(handle: TenantHandle) -> AsyncGenerator[str, None]:
     async for delta in handle.astream():
         yield json.dumps({"delta": delta})
     result = await handle.aresult()
     yield json.dumps({"result": result.model_dump()})
 
 
+# Scores run on threads of their own: a long one would otherwise hold one of the threads that
+# submit every other request.
+_SCORE_THREADS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="score")
+
+
 @router.post("/score")
 async def score(body: ScoreRequest, request: Request, server: ServerDep):
-    """Per-token logprobs of each continuation after the prefix."""
+    """Per-token logprobs of each continuation after the prefix; the continuations it has in
+    the engine at once count against the caller's requests in flight (at most all of them)."""
+    check_score_size(body)
     body = body.model_copy(update={"namespace": server.namespace(request, body.namespace)})
+    tenant = server.tenant(request)
+    num_requests = min(num_in_flight(body), server.settings.max_requests_per_key)
+    server.reserve_work(tenant, num_requests)
     cancel = Cancellation()  # a client that goes away stops its score, as it does a generate
-    work = asyncio.ensure_future(asyncio.to_thread(server.engine.scorer.score, body, cancel))
+    run = asyncio.get_running_loop().run_in_executor
+    work = asyncio.ensure_future(run(_SCORE_THREADS, server.engine.scorer.score, body, cancel))
+    work.add_done_callback(lambda _: server.release_work(tenant, num_requests))
     return (await unless_gone(request, work, cancel.cancel)).model_dump()
 
 
 @router.post("/pin")
 async def pin(body: PinBody, request: Request, server: ServerDep):
     """Pin a prefix in the cache under a lease the client must renew."""
-    namespace = server.namespace(request, body.namespace)
-    server.leases.check_quota(server.tenant(request), len(body.prefix_ids))
-    handle = await asyncio.to_thread(server.engine.pin, body.prefix_ids, namespace, body.hints)
-    lease = server.leases.add(handle, server.tenant(request), body.lease_seconds)
+    namespace, tenant = server.namespace(request, body.namespace), server.tenant(request)
+    num_tokens = len(body.prefix_ids)
+    server.leases.reserve(tenant, num_tokens)  # before the prefill: concurrent pins count
+    try:
+        handle = await asyncio.to_thread(server.engine.pin, body.prefix_ids, namespace, body.hints)
+    except BaseException:
+        server.leases.unreserve(tenant, num_tokens)
+        raise
+    lease = server.leases.add(handle, tenant, body.lease_seconds, reserved_tokens=num_tokens)
     info: PinInfo = handle.info
     return {**info.model_dump(), "lease_seconds": lease.lease_seconds}
 

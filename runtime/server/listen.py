@@ -6,6 +6,10 @@ forever: uvicorn's keep-alive timer stops at the first byte and never restarts b
 is whole. Here a connection whose request head is not complete within `head_timeout_s` of the
 connection opening (or of the previous response) gets a 408 and is closed.
 
+`DrainingServer` is uvicorn's server with a drain before its shutdown (runtime/server/drain.py):
+the listening socket stays open while requests finish, so that a new request gets a 503 instead
+of a refused connection, and a signal ends the process with status 0.
+
 The listening socket is bound (`bind_socket`) before the engine loads, and uvicorn serves on
 that socket: a port in use is reported at once, and nothing can take the port between a check
 and the bind. This module imports no torch, so `flowlang serve` binds within a second.
@@ -17,7 +21,11 @@ import asyncio
 import errno
 import functools
 import json
+import signal
 import socket
+import time
+from collections.abc import Callable
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -26,9 +34,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from runtime.errors import UsageError
 
 if TYPE_CHECKING:
+    from runtime.server.drain import Drain
     from runtime.server.state import ServerSettings
 
 BACKLOG = 2048  # uvicorn's default; it listens again with its own when it starts serving
+EXIT_ENGINE_LOST = 70  # EX_SOFTWARE, as when the engine's loop dies: a supervisor restarts it
 
 
 class HeadDeadlineProtocol(H11Protocol):
@@ -80,6 +90,48 @@ class HeadDeadlineProtocol(H11Protocol):
             b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
         )
         self.transport.close()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, draining before it shuts down: the first SIGTERM or SIGINT (or
+    `fatal()` naming why the engine cannot serve) begins the app's Drain, and uvicorn's own
+    shutdown (listener closed, connections closed, the app's lifespan end) runs once the drain
+    is over; after `fatal()`, within `fatal_grace_s`. A second signal stops at once.
+
+    uvicorn re-raises a signal it stopped for, so the process would die of it (status 143);
+    a drained server has done what the signal asked, and its process ends with the drain's
+    exit status instead."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        drain: Drain,
+        fatal: Callable[[], str | None] | None = None,
+        fatal_grace_s: float | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.drain = drain
+        self.fatal = fatal
+        self.fatal_grace_s = fatal_grace_s
+        self._signal: int | None = None  # recorded by the handler, acted on by the loop
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._signal is None:
+            self._signal = sig
+            return
+        super().handle_exit(sig, frame)  # the second: uvicorn stops now, and dies of it
+        self.force_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        drain, now = self.drain, time.monotonic()
+        if not drain.draining:
+            if self._signal is not None:
+                drain.begin(signal.Signals(self._signal).name, now)
+            elif self.fatal is not None and (reason := self.fatal()) is not None:
+                drain.begin(reason, now, EXIT_ENGINE_LOST, self.fatal_grace_s)
+        if drain.tick(now):
+            return True
+        return await super().on_tick(counter)
 
 
 def uvicorn_config(app: Any, settings: ServerSettings, **options: Any) -> uvicorn.Config:

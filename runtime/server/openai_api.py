@@ -10,18 +10,29 @@ import uuid
 from collections.abc import AsyncGenerator, Sequence
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
+from runtime.errors import InvalidRequestError
 from runtime.handles import RequestHandle
-from runtime.protocol import GenerateRequest, GenerateResult, SamplingParams
+from runtime.protocol import (
+    GenerateRequest,
+    GenerateResult,
+    GraphHints,
+    SamplingParams,
+    TokenLogprob,
+)
 from runtime.server.chat_turn import ChatDeltas, ChatPlan, chat_message, finish_reason, plan_chat
-from runtime.server.errors import error_frame, failure_of
+from runtime.server.errors import AsciiJSONResponse, error_frame, failure_of
 from runtime.server.fields import AuditedFields
 from runtime.server.schemas import ChatBody, CompletionBody
+from runtime.server.sglang_ops import model_path
 from runtime.server.state import Server, ServerDep
 from runtime.server.streaming import sse
 
 router = APIRouter(prefix="/v1")
 log = logging.getLogger("flowlang.server")
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 @router.get("/models")
@@ -41,29 +52,62 @@ async def models(server: ServerDep):
     }
 
 
+def served_model_names(server: Server) -> list[str]:
+    """The names a request's `model` may give: the id /v1/models lists, and the Hugging Face
+    repo id /get_model_info reports as model_path (the same model)."""
+    names = [server.engine.config.model, model_path(server.engine)]
+    return list(dict.fromkeys(names))
+
+
+def _unknown_model(server: Server, model: str | None) -> JSONResponse | None:
+    """OpenAI's 404 (code model_not_found) for a model this server does not serve; None
+    (any model) when the request names none."""
+    names = served_model_names(server)
+    if model is None or model in names:
+        return None
+    server.http_errors[404] += 1
+    message = f"The model {model!r} does not exist: this server serves {names[0]!r}"
+    error = {
+        "message": message,
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+    return AsciiJSONResponse({"error": error}, status_code=404)
+
+
 @router.post("/completions")
 async def completions(body: CompletionBody, request: Request, server: ServerDep):
     """Text completion: n choices per prompt, optionally streamed, with logprobs."""
+    unknown = _unknown_model(server, body.model)
+    if unknown is not None:
+        return unknown
     _log_ignored("/v1/completions", body)
     logprobs = body.logprobs is not None
-    namespace = server.namespace(request, body.namespace)
+    namespace = server.namespace(request, body.cache_namespace())
+    constraint = body.constraint()
+    max_tokens = body.max_tokens or COMPLETION_MAX_TOKENS
     requests, echoes = [], []
     for prompt in body.prompts():
+        if isinstance(prompt, str) and not body.add_special_tokens:  # tokenized off the loop
+            prompt = await asyncio.to_thread(server.engine.intake.tokens, prompt, False)
         echo = _prompt_text(server, prompt) if body.echo else ""
         for i in range(body.n):
             echoes.append(echo)
-            params = body.sampling(body.max_tokens or 16, i, logprobs, body.logprobs or 0)
+            params = body.sampling(max_tokens, i, logprobs, body.logprobs or 0)
             requests.append(
                 GenerateRequest(
                     sampling=params,
+                    constraint=constraint,
                     namespace=namespace,
+                    hints=GraphHints(priority=body.priority),
                     **({"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}),
                 )
             )
     handles = await server.submit(requests, server.tenant(request))
     created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
-        chunks = _completion_stream(server, handles, cid, created, echoes)
+        chunks = _completion_stream(server, body, handles, cid, created, echoes)
         return sse(server.engine, handles, chunks)
     results = _checked(await server.wait(request, handles))
     choices = [
@@ -71,7 +115,7 @@ async def completions(body: CompletionBody, request: Request, server: ServerDep)
             "index": i,
             "text": echoes[i] + r.text,
             "finish_reason": finish_reason(r),
-            "logprobs": _completion_logprobs(server, r) if logprobs else None,
+            "logprobs": _completion_logprobs(server, r.logprobs or []) if logprobs else None,
         }
         for i, r in enumerate(results)
     ]
@@ -81,7 +125,7 @@ async def completions(body: CompletionBody, request: Request, server: ServerDep)
         "created": created,
         "model": server.engine.config.model,
         "choices": choices,
-        "usage": _usage(results),
+        "usage": _usage(results, body.n),
     }
 
 
@@ -89,16 +133,20 @@ async def completions(body: CompletionBody, request: Request, server: ServerDep)
 async def chat(body: ChatBody, request: Request, server: ServerDep):
     """Chat completion through the model's chat template: tools and tool calls, reasoning
     split off, response_format schemas."""
+    unknown = _unknown_model(server, body.model)
+    if unknown is not None:
+        return unknown
     _log_ignored("/v1/chat/completions", body, body.messages)
     plan = await asyncio.to_thread(plan_chat, server.engine, body)  # templates can be slow
     top = body.top_logprobs or 0
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    namespace = server.namespace(request, body.namespace)
+    max_tokens = body.max_completion_tokens or body.max_tokens or _room_after(server, plan)
+    namespace = server.namespace(request, body.cache_namespace())
     requests = [
         GenerateRequest(
             input_ids=plan.prompt_ids,
             constraint=plan.constraint,
             namespace=namespace,
+            hints=GraphHints(priority=body.priority),
             sampling=_chat_sampling(body, plan, max_tokens, i, top),
         )
         for i in range(body.n)
@@ -106,7 +154,7 @@ async def chat(body: ChatBody, request: Request, server: ServerDep):
     handles = await server.submit(requests, server.tenant(request))
     created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
-        chunks = _chat_stream(server, plan, handles, cid, created, body.include_usage)
+        chunks = _chat_stream(server, body, plan, handles, cid, created)
         return sse(server.engine, handles, chunks)
     results = _checked(await server.wait(request, handles))
     choices = []
@@ -116,7 +164,7 @@ async def chat(body: ChatBody, request: Request, server: ServerDep):
             {
                 "index": i,
                 "message": message,
-                "logprobs": _chat_logprobs(server, r) if body.logprobs else None,
+                "logprobs": _chat_logprobs(server, r.logprobs or []) if body.logprobs else None,
                 "finish_reason": finish,
             }
         )
@@ -126,12 +174,26 @@ async def chat(body: ChatBody, request: Request, server: ServerDep):
         "created": created,
         "model": server.engine.config.model,
         "choices": choices,
-        "usage": _usage(results),
+        "usage": _usage(results, body.n),
     }
 
 
+def _room_after(server: Server, plan: ChatPlan) -> int:
+    """vLLM's default max_tokens for chat: the rest of the context after the prompt (and of
+    the KV pool, where that is smaller: a request must fit in it whole)."""
+    engine = server.engine
+    room = min(engine.arch.max_context_len, engine.intake.num_slots)
+    left = room - len(plan.prompt_ids)
+    if left < 1:
+        raise InvalidRequestError(
+            f"the prompt of {len(plan.prompt_ids)} tokens leaves no room for an answer in "
+            f"{room} tokens (the model's context, or the KV pool if smaller)"
+        )
+    return left
+
+
 def _chat_sampling(
-    body: ChatBody, plan: ChatPlan, max_tokens: int | None, index: int, top: int
+    body: ChatBody, plan: ChatPlan, max_tokens: int, index: int, top: int
 ) -> SamplingParams:
     params = body.sampling(max_tokens, index, body.logprobs, top)
     if plan.keep_special_tokens:  # the calls' marker must stay in the text the parser reads
@@ -143,8 +205,10 @@ def _log_ignored(route: str, body: AuditedFields, parts: Sequence[AuditedFields]
     """Say loudly which fields a request set that have no effect here."""
     ignored = body.fields_of_kind("ignored")
     ignored += sorted({f"messages.{n}" for m in parts for n in m.fields_of_kind("ignored")})
-    if body.stream_options is not None:
-        ignored += [f"stream_options.{n}" for n in body.stream_options.fields_of_kind("ignored")]
+    for name in ("stream_options", "structured_outputs"):
+        nested = getattr(body, name)
+        if nested is not None:
+            ignored += [f"{name}.{n}" for n in nested.fields_of_kind("ignored")]
     if ignored:
         log.warning("%s fields with no effect here: %s", route, ignored, extra={"ignored": ignored})
 
@@ -165,14 +229,17 @@ def _checked(results: list[GenerateResult]) -> list[GenerateResult]:
     return results
 
 
-def _usage(results: list[GenerateResult]) -> dict:
-    prompt = sum(r.prompt_tokens for r in results)
+def _usage(results: list[GenerateResult], n: int) -> dict:
+    """Token counts of a call whose results are n choices per prompt, prompt-major: each
+    prompt counts once (as OpenAI and vLLM count it), every choice's output counts."""
+    firsts = results[::n]
+    prompt = sum(r.prompt_tokens for r in firsts)
     completion = sum(r.completion_tokens for r in results)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results)},
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
     }
 
 
@@ -180,26 +247,26 @@ def _token_text(server: Server, token_id: int) -> str:
     return server.engine.tokenizer.decode([token_id])
 
 
-def _completion_logprobs(server: Server, result: GenerateResult) -> dict:
-    tokens, offsets, offset = [], [], 0
-    for lp in result.logprobs or []:
+def _completion_logprobs(server: Server, logprobs: list[TokenLogprob], offset: int = 0) -> dict:
+    """OpenAI's completions logprobs of these tokens, whose text starts at `offset`."""
+    tokens, offsets = [], []
+    for lp in logprobs:
         text = _token_text(server, lp.token_id)
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in result.logprobs or []],
-        "top_logprobs": [
-            {_token_text(server, t): v for t, v in (lp.top or [])} for lp in result.logprobs or []
-        ],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{_token_text(server, t): v for t, v in (lp.top or [])} for lp in logprobs],
         "text_offset": offsets,
     }
 
 
-def _chat_logprobs(server: Server, result: GenerateResult) -> dict:
+def _chat_logprobs(server: Server, logprobs: list[TokenLogprob]) -> dict:
+    """OpenAI's chat logprobs (`content`) of these tokens."""
     content = []
-    for lp in result.logprobs or []:
+    for lp in logprobs:
         text = _token_text(server, lp.token_id)
         content.append(
             {
@@ -219,84 +286,98 @@ def _chat_logprobs(server: Server, result: GenerateResult) -> dict:
     return {"content": content}
 
 
+async def _pieces(handle: RequestHandle) -> AsyncGenerator[tuple[str, list[TokenLogprob]], None]:
+    """A stream's text deltas, each with the logprobs of the tokens generated since the
+    previous delta (tokens whose text is held back, by a stop string that may still match,
+    ride on the next delta); the tokens after the last delta come with an empty text."""
+    pending: list[TokenLogprob] = []
+    async for chunk in handle.achunks():
+        pending += chunk.logprobs
+        if chunk.text:
+            yield chunk.text, pending
+            pending = []
+    if pending:
+        yield "", pending
+
+
 async def _completion_stream(
-    server: Server, handles: list[RequestHandle], cid: str, created: int, echoes: list[str]
+    server: Server,
+    body: CompletionBody,
+    handles: list[RequestHandle],
+    cid: str,
+    created: int,
+    echoes: list[str],
 ) -> AsyncGenerator[str, None]:
     model = server.engine.config.model
+    logprobs = body.logprobs is not None
 
-    def chunk(index: int, text: str, finish: str | None) -> str:
-        return json.dumps(
-            {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
-                ],
-            }
-        )
+    def frame(choices: list[dict], **extra) -> str:
+        out = {"id": cid, "object": "text_completion", "created": created, "model": model}
+        return json.dumps({**out, "choices": choices, **extra})
 
+    def chunk(index: int, text: str, finish: str | None, lps: dict | None = None) -> str:
+        choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": lps}
+        return frame([choice])
+
+    results = []
     for index, handle in enumerate(handles):
         if echoes[index]:
             yield chunk(index, echoes[index], None)
-        async for delta in handle.astream():
-            yield chunk(index, delta, None)
+        offset = 0
+        async for text, token_logprobs in _pieces(handle):
+            lps = _completion_logprobs(server, token_logprobs, offset) if logprobs else None
+            offset += sum(len(t) for t in lps["tokens"]) if lps else 0
+            if text or lps:
+                yield chunk(index, text, None, lps)
         result = await handle.aresult()
         failure = failure_of(result)
         if failure is not None:  # an error frame, never a finish_reason that says it ended well
             yield error_frame(failure)
             return
+        results.append(result)
         yield chunk(index, "", finish_reason(result))
+    if body.include_usage:
+        yield frame([], usage=_usage(results, body.n))
 
 
 async def _chat_stream(
     server: Server,
+    body: ChatBody,
     plan: ChatPlan,
     handles: list[RequestHandle],
     cid: str,
     created: int,
-    include_usage: bool,
 ) -> AsyncGenerator[str, None]:
     model = server.engine.config.model
 
-    def chunk(index: int, delta: dict, finish: str | None) -> str:
-        return json.dumps(
-            {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
-                ],
-            }
-        )
+    def frame(choices: list[dict], **extra) -> str:
+        out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+        return json.dumps({**out, "choices": choices, **extra})
+
+    def chunk(index: int, delta: dict, finish: str | None, lps: list | None = None) -> str:
+        logprobs = _chat_logprobs(server, lps) if lps else None
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        return frame([choice])
 
     results = []
     for index, handle in enumerate(handles):
         deltas = ChatDeltas(plan)
         yield chunk(index, {"role": "assistant", "content": ""}, None)
-        async for text in handle.astream():
+        pending: list[TokenLogprob] = []  # logprobs not yet sent: they go with the next delta
+        async for text, token_logprobs in _pieces(handle):
+            pending += token_logprobs if body.logprobs else []
             for delta in deltas.feed(text):
-                yield chunk(index, delta, None)
+                yield chunk(index, delta, None, pending)
+                pending = []
         result = await handle.aresult()
         failure = failure_of(result)
         if failure is not None:
             yield error_frame(failure)
             return
         for delta in deltas.finish():
-            yield chunk(index, delta, None)
+            yield chunk(index, delta, None, pending)
+            pending = []
         results.append(result)
-        yield chunk(index, {}, finish_reason(result, deltas.num_calls > 0))
-    if include_usage:
-        yield json.dumps(
-            {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": _usage(results),
-            }
-        )
+        yield chunk(index, {}, finish_reason(result, deltas.num_calls > 0), pending)
+    if body.include_usage:
+        yield frame([], usage=_usage(results, body.n))

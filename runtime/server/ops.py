@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from runtime.server.metrics import prometheus_text
@@ -14,11 +14,15 @@ router = APIRouter()
 
 
 @router.get("/health")
-async def health(server: ServerDep):
-    """Liveness probe (no API key needed): 503 once the engine's loop is gone."""
+async def health(server: ServerDep, request: Request):
+    """Liveness probe (no API key needed): 503 once the engine's loop is gone, and while the
+    server drains for shutdown (a balancer stops sending it requests)."""
     if not server.engine.is_alive:
         reason = server.engine.fatal_error or "the engine is closed"
         return JSONResponse({"status": "dead", "error": reason}, status_code=503)
+    drain = request.app.state.drain
+    if drain.draining:
+        return JSONResponse({"status": "draining", "reason": drain.reason}, status_code=503)
     return {"status": "ok"}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from runtime.engine import Engine
@@ -34,33 +35,45 @@ class PinLeases:
         self.default_lease_seconds = default_lease_seconds
         self.max_tokens_per_owner = max_tokens_per_owner  # None: no quota
         self._leases: dict[str, Lease] = {}
+        self._reserved_tokens: Counter[str] = Counter()  # by owner: pins still prefilling
         self._lock = threading.Lock()
         self.num_expired = 0
 
-    def add(self, handle: PinHandle, owner: str, lease_seconds: float | None) -> Lease:
-        seconds = lease_seconds or self.default_lease_seconds
-        lease = Lease(handle, owner, time.monotonic() + seconds, seconds)
-        with self._lock:
-            self._leases[handle.pin_id] = lease
-        return lease
-
-    def check_quota(self, owner: str, num_tokens: int) -> None:
-        """Refuse (429) a pin that would take `owner` past its pinned-token quota: one tenant
-        must not hold the pool that every other tenant's requests need."""
+    def reserve(self, owner: str, num_tokens: int) -> None:
+        """Take `num_tokens` of `owner`'s pinned-token quota for a pin about to be prefilled,
+        or refuse (429) a pin that would take it past the quota: one tenant must not hold the
+        pool that every other tenant's requests need. Checked and taken at once, so that
+        concurrent pins cannot all pass the check before any of them holds its lease. The
+        reservation ends in `add` (the pin is held) or `unreserve` (it failed)."""
         quota = self.max_tokens_per_owner
-        if quota is None:
-            return
         with self._lock:
-            held = sum(
+            held = self._reserved_tokens[owner] + sum(
                 lease.handle.info.num_tokens
                 for lease in self._leases.values()
                 if lease.owner == owner
             )
-        if held + num_tokens > quota:
-            raise TooManyRequestsError(
-                f"pinning {num_tokens} more tokens would exceed this API key's quota of {quota} "
-                f"pinned tokens ({held} held); release a pin first"
-            )
+            if quota is not None and held + num_tokens > quota:
+                raise TooManyRequestsError(
+                    f"pinning {num_tokens} more tokens would exceed this API key's quota of "
+                    f"{quota} pinned tokens ({held} held); release a pin first"
+                )
+            self._reserved_tokens[owner] += num_tokens
+
+    def unreserve(self, owner: str, num_tokens: int) -> None:
+        """Give back a reservation whose pin failed."""
+        with self._lock:
+            self._reserved_tokens[owner] -= num_tokens
+
+    def add(
+        self, handle: PinHandle, owner: str, lease_seconds: float | None, reserved_tokens: int
+    ) -> Lease:
+        """Hold `handle` under a lease, in place of the `reserved_tokens` reserved for it."""
+        seconds = lease_seconds or self.default_lease_seconds
+        lease = Lease(handle, owner, time.monotonic() + seconds, seconds)
+        with self._lock:
+            self._reserved_tokens[owner] -= reserved_tokens
+            self._leases[handle.pin_id] = lease
+        return lease
 
     def renew(self, pin_id: str, owner: str) -> Lease:
         with self._lock:

@@ -91,10 +91,11 @@ async def _stream(
     output: _Output, handles: list[RequestHandle], prompts: list[Prompt]
 ) -> AsyncGenerator[str, None]:
     """Each request's output so far whenever its text grows, then its final output; batches
-    say `index`. Everything is cumulative, as in SGLang's default stream: text (its frontend
-    slices off what it has), output_ids, counts and logprob lists. A chunk that adds no text
-    is not sent: its tokens ride on the next one (SGLang's frontend would merge the logprob
-    lists of a textless chunk into the next, counting them twice)."""
+    say `index`. As in SGLang's stream: text (its frontend slices off what it has), output_ids,
+    counts and input logprobs are cumulative; the output logprob lists (output_token_logprobs,
+    output_top_logprobs) hold the tokens since the request's previous chunk, which is how
+    SGLang's frontend reads them (it joins them up). A chunk that adds no text is not sent:
+    its tokens ride on the next one."""
     queue: asyncio.Queue[tuple[int, StreamChunk | GenerateResult]] = asyncio.Queue()
 
     async def pump(i: int, handle: RequestHandle) -> None:
@@ -104,6 +105,7 @@ async def _stream(
 
     tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
     running = [_Running(h.rid) for h in handles]
+    logprobs_sent = [0] * len(handles)  # per request: output logprobs already streamed
     num_running = len(handles)
     try:
         while num_running:
@@ -120,7 +122,8 @@ async def _stream(
                     continue
             else:
                 result = item
-            out = output(result, prompts[i])
+            out = output(result, prompts[i], logprobs_sent[i])
+            logprobs_sent[i] = len(result.logprobs or [])
             if output.body.is_batch:
                 out["index"] = i
             yield json.dumps(out)
@@ -161,8 +164,9 @@ class _Output:
         self._texts: dict[int, str] = {}  # token texts for logprobs, decoded once per call
         self._prompt_ids: dict[int, list[int]] = {}  # by prompt index, tokenized once per call
 
-    def __call__(self, result: GenerateResult, p: Prompt) -> dict:
-        """One request's output, finished or (streaming) so far."""
+    def __call__(self, result: GenerateResult, p: Prompt, logprobs_from: int = 0) -> dict:
+        """One request's output, finished or (streaming) so far; the output logprob lists
+        from token `logprobs_from` on (a stream's since its previous chunk)."""
         failure = failure_of(result)
         if failure is not None:
             raise failure
@@ -178,7 +182,7 @@ class _Output:
         if result.finish_reason is not None:
             meta["e2e_latency"] = time.monotonic() - self.started
         if p.return_logprob:
-            meta.update(self._logprobs(result, p))
+            meta.update(self._logprobs(result, p, logprobs_from))
         out = {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
         if self.body.return_prompt_token_ids:
             if p.prompt_index not in self._prompt_ids:
@@ -187,16 +191,17 @@ class _Output:
             out["prompt_token_ids"] = self._prompt_ids[p.prompt_index]
         return out
 
-    def _logprobs(self, result: GenerateResult, p: Prompt) -> dict:
+    def _logprobs(self, result: GenerateResult, p: Prompt, logprobs_from: int) -> dict:
         """SGLang's logprob lists: [logprob, token_id, text or null] per position."""
-        logprobs = result.logprobs or []
+        every = result.logprobs or []
+        logprobs = every[logprobs_from:]
         ids = result.prompt_ids or []
         positions = range(0)
         if result.prompt_logprobs is not None:
             positions = range(max(0, p.logprob_start_len), len(ids))
         out: dict[str, Any] = {
             "output_token_logprobs": [self._entry(lp.logprob, lp.token_id) for lp in logprobs],
-            "output_token_logprobs_length": len(logprobs),
+            "output_token_logprobs_length": len(every),
             "input_token_logprobs": [
                 self._entry(result.prompt_logprobs[j], ids[j]) for j in positions
             ],

@@ -98,9 +98,27 @@ async def health_generate(request: Request, server: ServerDep) -> Response:
     try:
         (result,) = await asyncio.wait_for(server.wait(request, [handle]), HEALTH_TIMEOUT_S)
     except TimeoutError:
-        server.engine.abort(handle.rid)
+        handle.cancel()
         return Response(status_code=503)
     return Response(status_code=503 if result.finish_reason in ("error", "abort") else 200)
+
+
+class AbortBody(SGLangFields):
+    rid: str = ""
+    abort_all: bool = False
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortBody, request: Request, server: ServerDep):
+    """Abort the caller's request `rid` (its result says finish_reason "abort"), or with
+    `abort_all` every request the caller has in flight. Differs from SGLang, which answers 200
+    whatever the id: an id the caller has not in flight is a 404 (request ids are per API key,
+    so another key's request is never reached, nor is its id confirmed)."""
+    tenant = server.tenant(request)
+    if body.abort_all:
+        return {"rids": server.abort_all(tenant)}
+    server.abort(tenant, body.rid)
+    return {"rid": body.rid}
 
 
 @router.api_route("/encode", methods=["POST", "PUT"])

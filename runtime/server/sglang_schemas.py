@@ -68,10 +68,13 @@ class SGLangSamplingParams(SGLangFields):
     stream_interval: int | None = ignored_field("every token is streamed as soon as it is final")
     beam_width: int | None = unsupported_field("beam search")
     structural_tag: str | None = Field(
-        None, description="a JSON string: xgrammar's structural tag (SGLang's legacy "
-        "{structures, triggers} form too)"
+        None,
+        description="a JSON string: xgrammar's structural tag (SGLang's legacy "
+        "{structures, triggers} form too)",
     )
-    logit_bias: dict[str, float] | None = unsupported_field("logit_bias")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (a string) -> a bias in -100..100 added to its logit"
+    )
     custom_params: dict[str, Any] | None = unsupported_field("custom logit processors")
     watermark: Any = unsupported_field("watermarking")
 
@@ -112,6 +115,7 @@ class SGLangSamplingParams(SGLangFields):
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.no_stop_trim,
                 seed=seed,
+                logit_bias=token_biases(self.logit_bias),
                 **logprobs,
             )
         return params, constraint_of(
@@ -305,6 +309,19 @@ class GenerateBody(SGLangFields):
         if len(set(self.rid)) != len(self.rid):
             raise InvalidRequestError(f"duplicate request ids in rid: {self.rid}")
         return [rid if n == 1 else f"{rid}_{j}" for rid in self.rid for j in range(n)]
+
+
+def token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
+    """logit_bias with its keys (token ids as strings) as ints; another key is a 400."""
+    biases = {}
+    for key, bias in (logit_bias or {}).items():
+        try:
+            biases[int(key)] = bias
+        except ValueError as err:
+            raise InvalidRequestError(
+                f"logit_bias keys are token ids (as strings), got {key!r}"
+            ) from err
+    return biases
 
 
 def _is_ids(value: list) -> bool:

@@ -8,15 +8,18 @@ import hashlib
 import threading
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
 
 from runtime.engine import Engine
-from runtime.errors import InvalidRequestError
+from runtime.errors import InvalidRequestError, UnknownRequestError
 from runtime.handles import RequestHandle
-from runtime.protocol import GenerateRequest, GenerateResult
+from runtime.protocol import GenerateRequest, GenerateResult, StreamChunk
+from runtime.server.compiles import compile_ahead
 from runtime.server.errors import TooManyRequestsError
 from runtime.server.pins import PinLeases
 from runtime.server.streaming import abort_unfinished, wait_results
@@ -36,6 +39,7 @@ class ServerSettings:
     body_read_timeout_s: float = 30.0  # a body that trickles in slower than this is a 408
     head_timeout_s: float = 10.0  # a request line + headers not whole by then: 408, closed
     request_timeout_s: float | None = None  # for requests that set no timeout_s (then a 408)
+    max_kv_followers_per_key: int = 16  # open /v1/flowlang/kv_events streams (429 beyond)
 
 
 class Server:
@@ -49,7 +53,9 @@ class Server:
             engine, settings.pin_lease_seconds, settings.max_pinned_tokens_per_key or pool // 2
         )
         self.inflight: Counter[str] = Counter()  # requests in flight per tenant
-        self._inflight_lock = threading.Lock()
+        self._inflight_lock = threading.Lock()  # guards inflight, _requests, _kv_followers
+        self._requests: dict[tuple[str, str], TenantHandle] = {}  # by (tenant, client's id)
+        self._kv_followers: Counter[str] = Counter()  # open KV event streams per tenant
         self.http_requests: Counter[str] = Counter()
         self.http_errors: Counter[int] = Counter()
         self.started = time.time()
@@ -71,32 +77,86 @@ class Server:
         parts = [p for p in (tenant, requested) if p]
         return "/".join(parts) or None
 
-    async def submit(self, requests: list[GenerateRequest], tenant: str) -> list[RequestHandle]:
+    async def submit(self, requests: list[GenerateRequest], tenant: str) -> list[TenantHandle]:
         """Submit all of `requests` (streaming to this event loop), or none of them; a tenant
         over its limit of requests in flight gets a TooManyRequestsError (429).
 
+        Request ids are per tenant: with API keys the engine's id is the client's qualified
+        by the tenant's tag, and the handles answer under the client's own id. An id the
+        tenant already has in flight is an InvalidRequestError (400); another tenant's is not.
+
         Tokenizing and grammar compilation happen in a worker thread: a huge prompt or a
         pathological grammar never stalls the event loop (/health included)."""
-        self._reserve(tenant, len(requests))
-        default = self.settings.request_timeout_s
-        if default is not None:
-            requests = [
-                r if r.timeout_s else r.model_copy(update={"timeout_s": default}) for r in requests
-            ]
+        handles = self._reserve(tenant, [r.rid for r in requests])
+        default_timeout_s = self.settings.request_timeout_s
+        engine_requests = [
+            r.model_copy(
+                update={"rid": h.engine_rid, "timeout_s": r.timeout_s or default_timeout_s}
+            )
+            for r, h in zip(requests, handles, strict=True)
+        ]
         loop = asyncio.get_running_loop()
         try:
-            handles = await asyncio.to_thread(self._submit_all, requests, loop)
+            await compile_ahead(self.engine, engine_requests, tenant)  # holds no thread meanwhile
+            engine_handles = await asyncio.to_thread(self._submit_all, engine_requests, loop)
         except BaseException:
-            self._release(tenant, len(requests))
+            self._release(tenant, handles)
             raise
-        for handle in handles:
-            handle.future.add_done_callback(lambda _: self._release(tenant, 1))
+        for handle, engine_handle in zip(handles, engine_handles, strict=True):
+            handle.future.add_done_callback(lambda _, h=handle: self._release(tenant, [h]))
+            handle.attach(engine_handle)
         return handles
 
-    def _reserve(self, tenant: str, num_requests: int) -> None:
+    def abort(self, tenant: str, rid: str) -> None:
+        """Abort `tenant`'s request `rid`. An id it has not in flight is an UnknownRequestError
+        (404) whether or not another tenant uses it: ids never cross tenants."""
+        with self._inflight_lock:
+            handle = self._requests.get((tenant, rid))
+        if handle is None:
+            raise UnknownRequestError(f"no request {rid!r} in flight")
+        handle.cancel()
+
+    def abort_all(self, tenant: str) -> list[str]:
+        """Abort every request `tenant` has in flight; returns their ids."""
+        with self._inflight_lock:
+            handles = [h for (owner, _), h in self._requests.items() if owner == tenant]
+        for handle in handles:
+            handle.cancel()
+        return [h.rid for h in handles]
+
+    def _reserve(self, tenant: str, rids: list[str]) -> list[TenantHandle]:
+        """Count `rids` against the tenant's limit and register them (unfinished handles)."""
         limit = self.settings.max_requests_per_key
-        if num_requests > limit:
-            raise InvalidRequestError(f"a batch of {num_requests} exceeds the limit of {limit}")
+        if len(rids) > limit:
+            raise InvalidRequestError(f"a batch of {len(rids)} exceeds the limit of {limit}")
+        if len(set(rids)) != len(rids):
+            raise InvalidRequestError("a batch gives one request id to several requests")
+        handles = [TenantHandle(rid, f"{tenant}/{rid}" if self.keys else rid) for rid in rids]
+        with self._inflight_lock:
+            if self.inflight[tenant] + len(rids) > limit:
+                raise TooManyRequestsError(
+                    f"this API key has {self.inflight[tenant]} requests in flight "
+                    f"(limit {limit}); retry when some finish"
+                )
+            for rid in rids:
+                if (tenant, rid) in self._requests:
+                    raise InvalidRequestError(f"request id {rid!r} is already in flight")
+            self.inflight[tenant] += len(rids)
+            self._requests.update({(tenant, h.rid): h for h in handles})
+        return handles
+
+    def _release(self, tenant: str, handles: list[TenantHandle]) -> None:
+        with self._inflight_lock:
+            self.inflight[tenant] -= len(handles)
+            for handle in handles:
+                if self._requests.get((tenant, handle.rid)) is handle:
+                    del self._requests[tenant, handle.rid]
+
+    def reserve_work(self, tenant: str, num_requests: int) -> None:
+        """Count engine requests a route runs itself (a score's continuations) against
+        `tenant`'s requests in flight (TooManyRequestsError past the limit); release_work()
+        gives them back."""
+        limit = self.settings.max_requests_per_key
         with self._inflight_lock:
             if self.inflight[tenant] + num_requests > limit:
                 raise TooManyRequestsError(
@@ -105,9 +165,32 @@ class Server:
                 )
             self.inflight[tenant] += num_requests
 
-    def _release(self, tenant: str, num_requests: int) -> None:
+    def release_work(self, tenant: str, num_requests: int) -> None:
+        """Give back what reserve_work() counted."""
         with self._inflight_lock:
             self.inflight[tenant] -= num_requests
+
+    def add_kv_follower(self, tenant: str) -> None:
+        """Count one more open KV event stream of `tenant`; past the per-key limit a
+        TooManyRequestsError (429): the engine's loop hands every event to every follower."""
+        limit = self.settings.max_kv_followers_per_key
+        with self._inflight_lock:
+            if self._kv_followers[tenant] >= limit:
+                raise TooManyRequestsError(
+                    f"this API key has {self._kv_followers[tenant]} KV event followers "
+                    f"(limit {limit}); close one first"
+                )
+            self._kv_followers[tenant] += 1
+
+    def remove_kv_follower(self, tenant: str) -> None:
+        """A KV event stream of `tenant` ended."""
+        with self._inflight_lock:
+            self._kv_followers[tenant] -= 1
+
+    def num_kv_followers(self) -> int:
+        """Open KV event streams, all tenants together."""
+        with self._inflight_lock:
+            return sum(self._kv_followers.values())
 
     def _submit_all(
         self, requests: list[GenerateRequest], loop: asyncio.AbstractEventLoop
@@ -122,9 +205,67 @@ class Server:
             raise
         return handles
 
-    async def wait(self, request: Request, handles: list[RequestHandle]) -> list[GenerateResult]:
+    async def wait(self, request: Request, handles: list[TenantHandle]) -> list[GenerateResult]:
         """Results of `handles`, aborting them if the client goes away meanwhile."""
         return await wait_results(request, self.engine, handles)
+
+
+class TenantHandle:
+    """A request as its tenant sees it: under the client's own id (`rid`), whatever id the
+    engine runs it under (`engine_rid`). Made before the engine has the request: a cancel
+    that comes first is applied when the engine's handle is attached."""
+
+    def __init__(self, rid: str, engine_rid: str) -> None:
+        self.rid = rid
+        self.engine_rid = engine_rid
+        self.future: Future[GenerateResult] = Future()  # the result, under the client's id
+        self._handle: RequestHandle | None = None
+        self._cancelled = False
+
+    def attach(self, handle: RequestHandle) -> None:
+        """Follow the engine's handle of this request (once)."""
+        self._handle = handle
+        handle.future.add_done_callback(self._resolve)
+        if self._cancelled:
+            handle.cancel()
+
+    def cancel(self) -> None:
+        """Abort the request (its result says finish_reason "abort")."""
+        self._cancelled = True
+        if self._handle is not None:
+            self._handle.cancel()
+
+    def result(self, timeout: float | None = None) -> GenerateResult:
+        return self.future.result(timeout)
+
+    async def aresult(self) -> GenerateResult:
+        return await asyncio.wrap_future(self.future)
+
+    async def achunks(self) -> AsyncIterator[StreamChunk]:
+        """What the request produced since its previous chunk (chunks carry no id)."""
+        async for chunk in self._attached().achunks():
+            yield chunk
+
+    async def astream(self) -> AsyncIterator[str]:
+        """Text deltas."""
+        async for delta in self._attached().astream():
+            yield delta
+
+    def _attached(self) -> RequestHandle:
+        if self._handle is None:
+            raise RuntimeError("the request was not submitted yet")
+        return self._handle
+
+    def _resolve(self, done: Future[GenerateResult]) -> None:
+        error = done.exception()
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            result = done.result()
+            update: dict = {"rid": self.rid}
+            if result.error is not None and self.engine_rid != self.rid:
+                update["error"] = result.error.replace(self.engine_rid, self.rid)
+            self.future.set_result(result.model_copy(update=update))
 
 
 def get_server(request: Request) -> Server:

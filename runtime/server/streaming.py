@@ -1,5 +1,6 @@
 """Engine handles over HTTP: streamed as server-sent events or awaited whole; either way the
-engine's work is aborted as soon as nobody is left to read it."""
+engine's work is aborted as soon as nobody is left to read it, or when the server's shutdown
+drain runs out of time (then the client gets a 503, or a stream its terminal error frame)."""
 
 from __future__ import annotations
 
@@ -10,31 +11,71 @@ from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from runtime.engine import Engine
 from runtime.handles import RequestHandle
 from runtime.protocol import GenerateResult
-from runtime.server.errors import ClientGone
+from runtime.server.drain import Drain
+from runtime.server.errors import ClientGone, ShuttingDownError, error_frame
 
 T = TypeVar("T")
+
+STOPPED_BY_SHUTDOWN = "the server shut down before this request finished; retry it"
+
+
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that learns its app's shutdown drain when it starts sending."""
+
+    def __init__(self, frames: Callable[[Drain], AsyncIterator[bytes]]) -> None:
+        self._frames = frames
+        super().__init__(self._content(), media_type="text/event-stream")
+        self._drain: Drain | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._drain = scope["app"].state.drain
+        await super().__call__(scope, receive, send)
+
+    async def _content(self) -> AsyncIterator[bytes]:
+        async with contextlib.aclosing(self._frames(self._drain)) as frames:
+            async for frame in frames:
+                yield frame
 
 
 def sse(
     engine: Engine, handles: list[RequestHandle], chunks: AsyncGenerator[str, None]
 ) -> StreamingResponse:
     """`chunks` as SSE `data:` frames ending in [DONE]; whatever of `handles` still runs when
-    the stream stops early (client gone, error) is aborted."""
+    the stream stops early (client gone, error, the shutdown drain's end) is aborted. A stream
+    the drain stops ends with an error frame (503), never a cut connection."""
 
-    async def frames() -> AsyncIterator[bytes]:
+    async def frames(drain: Drain) -> AsyncIterator[bytes]:
+        expired = asyncio.ensure_future(drain.wait_expired())
+        step: asyncio.Future[str | None] | None = None  # the next chunk, raced with `expired`
         try:
-            async with contextlib.aclosing(chunks):
-                async for chunk in chunks:
+            try:
+                while True:
+                    step = asyncio.ensure_future(anext(chunks, None))
+                    await asyncio.wait({step, expired}, return_when=asyncio.FIRST_COMPLETED)
+                    if not step.done():
+                        stopped = error_frame(ShuttingDownError(STOPPED_BY_SHUTDOWN))
+                        yield f"data: {stopped}\n\n".encode()
+                        break
+                    chunk = step.result()
+                    if chunk is None:
+                        break
                     yield f"data: {chunk}\n\n".encode()
+            finally:  # the generator cannot be closed while a step still runs it
+                if step is not None and not step.done():
+                    step.cancel()
+                    await asyncio.gather(step, return_exceptions=True)
+                await chunks.aclose()
             yield b"data: [DONE]\n\n"
         finally:
+            expired.cancel()
             abort_unfinished(engine, handles)
 
-    return StreamingResponse(frames(), media_type="text/event-stream")
+    return _EventStream(frames)
 
 
 async def wait_results(
@@ -47,19 +88,22 @@ async def wait_results(
 
 async def unless_gone(request: Request, work: asyncio.Future[T], stop: Callable[[], None]) -> T:
     """The result of `work`; if the client disconnects first, `stop()` it, wait for it to
-    wind down, and raise ClientGone."""
+    wind down, and raise ClientGone; if the shutdown drain runs out of time first, the same
+    with ShuttingDownError (a 503)."""
+    drain: Drain = request.app.state.drain
     while True:
         done, _ = await asyncio.wait({work}, timeout=0.25)
         if done:
             return work.result()
-        if await request.is_disconnected():
+        gone = await request.is_disconnected()
+        if gone or drain.expired:
             stop()
             await asyncio.gather(work, return_exceptions=True)
-            raise ClientGone()
+            raise ClientGone() if gone else ShuttingDownError(STOPPED_BY_SHUTDOWN)
 
 
 def abort_unfinished(engine: Engine, handles: list[RequestHandle]) -> None:
     """Abort each of `handles` that has no result yet."""
     for handle in handles:
         if not handle.future.done():
-            engine.abort(handle.rid)
+            handle.cancel()  # by the engine's id, which may differ from the client's
