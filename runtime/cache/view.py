@@ -22,7 +22,6 @@ NEXT_USE_WORDS = {
     CONTINUATION: "continuation",
     QUEUED_READ: "queued read",
 }
-REDACTED = "(hidden)"
 
 
 @dataclass(frozen=True)
@@ -99,15 +98,6 @@ class CacheView:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-    def redacted(self, visible: Callable[[str], bool]) -> CacheView:
-        """This view with the text of every namespace `visible` refuses (given the
-        namespace's repr) replaced, e.g. other tenants' prompts on a shared server."""
-        namespaces = tuple(
-            ns if visible(ns.namespace) else replace(ns, children=_redact(ns.children))
-            for ns in self.namespaces
-        )
-        return replace(self, namespaces=namespaces)
 
 
 def build_cache_view(
@@ -213,10 +203,6 @@ def merge_views(views: Mapping[int, CacheView]) -> CacheView:
         host_tokens=sum(v.host_tokens for v in parts),
         disk_tokens=sum(v.disk_tokens for v in parts),
     )
-
-
-def _redact(nodes: tuple[NodeView, ...]) -> tuple[NodeView, ...]:
-    return tuple(replace(n, label=REDACTED, children=_redact(n.children)) for n in nodes)
 
 
 def _subtree_sizes(roots: Iterable[Any]) -> dict[int, tuple[int, int]]:
