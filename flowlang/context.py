@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -67,3 +68,25 @@ class RunContext:
             pins, self.pins = self.pins, []
         for pin in pins:
             pin.release()
+
+
+# the run whose body is executing on this thread: a program called from inside another's body
+# runs on that run's backend and namespace (as SGLang's nested calls do)
+_CURRENT_RUN: contextvars.ContextVar[RunContext | None] = contextvars.ContextVar(
+    "flowlang_current_run", default=None
+)
+
+
+def current_run() -> RunContext | None:
+    """The RunContext whose program body is running on this thread, if any."""
+    return _CURRENT_RUN.get()
+
+
+def body_of(ctx: RunContext) -> contextvars.Token:
+    """Mark `ctx` as the run whose body runs on this thread (undo with `_CURRENT_RUN.reset`)."""
+    return _CURRENT_RUN.set(ctx)
+
+
+def body_ended(token: contextvars.Token) -> None:
+    """The body marked by `body_of` returned."""
+    _CURRENT_RUN.reset(token)

@@ -303,5 +303,6 @@ def to_nodes(value: Any) -> list[Node]:
 
 
 def _check_name(name: str | None) -> None:
-    if name is not None and (not isinstance(name, str) or not name.isidentifier()):
-        raise ProgramError(f"a variable name must be an identifier, got {name!r}")
+    # any non-empty string, as SGLang allows ("air port code"): names are only dict keys
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ProgramError(f"a variable name must be a non-empty string, got {name!r}")

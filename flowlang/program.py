@@ -14,7 +14,7 @@ from typing import Any
 from flowlang.backends import get_default_backend
 from flowlang.backends.base import Backend
 from flowlang.batch import SharedPrefixPins
-from flowlang.context import RunContext
+from flowlang.context import RunContext, body_ended, body_of, current_run
 from flowlang.errors import InstanceError, ProgramError
 from flowlang.executor import StreamExecutor
 from flowlang.graph import RequestGraph
@@ -88,9 +88,13 @@ class Program:
         """`await program.arun(...)`: native async programs run on the caller's event loop."""
         ctx, state = self._start(backend, namespace, priority, sampling)
         try:
-            result = self.fn(state, *args, **kwargs)
-            if inspect.isawaitable(result):
-                result = await result
+            token = body_of(ctx)
+            try:
+                result = self.fn(state, *args, **kwargs)
+                if inspect.isawaitable(result):
+                    result = await result
+            finally:
+                body_ended(token)
             state.return_value = result
             await asyncio.to_thread(ctx.sync_all)
         finally:
@@ -110,6 +114,10 @@ class Program:
                 sampling = SamplingParams(**sampling)
             except ValueError as err:
                 raise ProgramError(f"{self.name}.run(sampling=...): {err}") from err
+        outer = current_run()  # called from another program's body: its backend and namespace
+        if outer is not None:
+            backend = backend or outer.backend
+            namespace = namespace if namespace is not None else outer.namespace
         ctx = RunContext(
             backend or get_default_backend(), namespace, priority=priority, sampling=sampling
         )
@@ -120,9 +128,13 @@ class Program:
     def _finish(self, ctx: RunContext, state: ProgramState, args: tuple, kwargs: dict) -> None:
         """Call the body (appending nodes), then wait for every state of the run."""
         try:
-            result = self.fn(state, *args, **kwargs)
-            if inspect.isawaitable(result):
-                result = asyncio.run(_awaited(result))
+            token = body_of(ctx)
+            try:
+                result = self.fn(state, *args, **kwargs)
+                if inspect.isawaitable(result):
+                    result = asyncio.run(_awaited(result))
+            finally:
+                body_ended(token)
             state.return_value = result
             ctx.sync_all()
         finally:
@@ -150,7 +162,8 @@ class Program:
         (with its traceback) in its place; the others run to completion. `sampling` is each
         run's (see `run`). A backend that places batches itself (ClusterBackend: instances
         sharing the deepest prefixes on the same replica) runs it its way."""
-        backend = backend or get_default_backend()
+        outer = current_run()
+        backend = backend or (outer.backend if outer is not None else get_default_backend())
         options = {
             "max_workers": max_workers,
             "progress": progress,

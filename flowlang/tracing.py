@@ -15,7 +15,7 @@ from typing import Any
 from flowlang.backends.base import Backend
 from flowlang.content import Content, Renderer
 from flowlang.graph import Branches, RequestGraph, RequestInfo, Stream
-from flowlang.ir import Fork, Gen, Node, RoleBegin, RoleEnd, Select, Text
+from flowlang.ir import Fork, Gen, Join, Node, RoleBegin, RoleEnd, Select, Text
 from flowlang.state import ProgramState
 
 
@@ -96,12 +96,23 @@ class _Simulation:
     renderer: Renderer
     requests: list[RequestInfo] = field(default_factory=list)
 
-    def run(self, stream: Stream, content: Content, dynamic: bool, branch: str) -> None:
-        """Walk `stream` from `content`, noting each request; branches walk from a copy."""
+    def run(self, stream: Stream, content: Content, dynamic: bool, branch: str) -> bool:
+        """Walk `stream` from `content`, noting each request; branches walk from a copy, and a
+        concat join appends each branch's own part, as the executor does. Returns whether the
+        content ends holding a generated value."""
+        forks: dict[str, tuple[int, int, list[tuple[Content, bool]]]] = {}
         for item in stream.items:
             if isinstance(item, Branches):
+                ends = []
                 for i, sub in enumerate(item.streams):
-                    self.run(sub, content.copy(), dynamic, f"{branch}.{i}")
+                    copy = content.copy()
+                    ends.append((copy, self.run(sub, copy, dynamic, f"{branch}.{i}")))
+                forks[item.fork.fork_id] = (len(content.text), len(content.ids), ends)
+            elif isinstance(item, Join) and item.mode == "concat":
+                text_len, ids_len, ends = forks[item.fork_id]
+                for end, end_dynamic in ends:
+                    content.append(end.text[text_len:], end.ids[ids_len:])
+                    dynamic = dynamic or end_dynamic
             elif isinstance(item, Text | RoleBegin | RoleEnd):
                 self.renderer.apply(content, item)
             elif isinstance(item, Gen | Select):
@@ -109,6 +120,7 @@ class _Simulation:
                 kind = "gen" if isinstance(item, Gen) else "select"
                 self.requests.append(RequestInfo(kind, item.name, branch, prompt))
                 dynamic = True  # what follows contains a generated value
+        return dynamic
 
 
 def trace(

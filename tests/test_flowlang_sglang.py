@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 from sglang_programs import build, run
@@ -197,8 +198,111 @@ def test_fork_group_forms_and_join_modes(mock):
     assert {r.hints.fork_group_size for r in mock.requests[:3]} == {3}
     with pytest.raises(fl.ProgramError, match="join mode"):
         parallel.run(contexts=["x"]).fork(2).join(mode="merge")
-    with pytest.raises(NotSupportedError, match="position_ids_offset"):
+    with pytest.raises(fl.ProgramError, match="position_ids_offset"):
         few_shot_qa.run(question="q").fork(2, position_ids_offset=[1])
+
+
+def test_sglang_lang_paths_names_and_position_offsets(mock):
+    """What SGLang's benchmark programs use: `sglang.lang.ir`'s regexes, any string as a
+    variable name, and fork(n, position_ids_offset), which (as in SGLang) leaves positions be."""
+    from flowlang.sglang.lang.api import gen as api_gen
+    from flowlang.sglang.lang.choices import greedy_token_selection
+    from flowlang.sglang.lang.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
+
+    assert api_gen is sgl.gen and greedy_token_selection is sgl.greedy_token_selection
+    for regex, good, bad in [
+        (REGEX_INT, "-42 ", "4.2"),
+        (REGEX_FLOAT, "3.5", "x"),
+        (REGEX_BOOL, "True", "true"),
+        (REGEX_STR, '"Paris 2"', '"a,b"'),
+    ]:
+        assert re.fullmatch(regex, good) and not re.fullmatch(regex, bad)
+
+    @sgl.function
+    def named(s, contexts):
+        s += "Facts:\n"
+        forks = s.fork(len(contexts), [i * 1000 for i in range(len(contexts))])
+        forks += lambda i: contexts[i] + "\n"
+        forks.join(mode="concate_and_append")
+        s += '"air port code": ' + sgl.gen("air port code", max_tokens=3, stop='"')
+
+    def run(offsets):
+        @sgl.function
+        def plain(s, contexts):
+            s += "Facts:\n"
+            forks = s.fork(len(contexts), offsets)
+            forks += lambda i: contexts[i] + "\n"
+            forks.join(mode="concate_and_append")
+            s += '"air port code": ' + sgl.gen("air port code", max_tokens=3, stop='"')
+
+        return plain.run(contexts=["a.", "b."], temperature=0)
+
+    state = named.run(contexts=["a.", "b."], temperature=0)
+    assert state.text().startswith("Facts:\na.\nb.\n")
+    assert state["air port code"] == run(None)["air port code"], "the offsets change nothing"
+    assert "air port code" in state and state.get_meta_info("air port code") is not None
+    for bad in ([1], [0, -1], [0, 1.5]):
+        with pytest.raises(fl.ProgramError, match="position_ids_offset"):
+            run(bad)
+    with pytest.raises(fl.ProgramError, match="non-empty string"):
+        sgl.gen("", max_tokens=1)
+
+
+class GatedMock(MockBackend):
+    """A MockBackend whose generations wait until `needed` of them have arrived: calls that
+    run one after another never get there (the gate times out and says so)."""
+
+    def __init__(self, needed: int) -> None:
+        super().__init__()
+        self.barrier = threading.Barrier(needed, timeout=5)
+
+    def generate(self, request):
+        if "Expand" in self.decode(request.input_ids):
+            self.barrier.wait()  # BrokenBarrierError: the nested calls did not overlap
+        return super().generate(request)
+
+
+def test_nested_calls_run_on_the_callers_backend_and_overlap(mock):
+    """SGLang's tip_suggestion shape: a program calls another twice, then reads both. The
+    nested runs use the caller's backend (not the default one) and run at the same time."""
+
+    @sgl.function
+    def expand(s, tip):
+        s += "Expand " + tip + ":" + sgl.gen("detail", max_tokens=3)
+
+    @sgl.function
+    def tips(s, topic):
+        s += "Tips on " + topic + ": 1." + sgl.gen("t1", max_tokens=2, stop="\n")
+        s += " 2." + sgl.gen("t2", max_tokens=2, stop="\n")
+        first, second = expand(tip=s["t1"]), expand(tip=s["t2"])
+        s += "\nA:" + first["detail"] + "\nB:" + second["detail"]
+
+    gated = GatedMock(needed=2)
+    states = tips.run_batch([{"topic": "sleep"}], backend=gated, temperature=0)
+    assert states[0].error() is None, states[0].error()
+    assert sum("Expand" in gated.decode(r.input_ids) for r in gated.requests) == 2
+    assert not mock.requests, "the default backend stayed idle"
+    assert states[0].text().count("\nA:") == 1
+
+
+def test_a_concat_join_is_in_the_traced_prompt(mock):
+    """The request graph (and so run_batch's shared-prefix pin) sees the text a concat join
+    appends, as the run does: the traced prompt is the prompt sent."""
+
+    @sgl.function
+    def concat(s, bodies, question):
+        s += "Read these lines.\n"
+        forks = s.fork(len(bodies))
+        forks += lambda i: bodies[i] + "\n"
+        forks.join("concate_and_append")
+        s += question + sgl.gen("answer", max_tokens=2)
+
+    args = {"bodies": ["Line one is red.", "Line two is blue."], "question": "Which is red?"}
+    traced = concat.compile(**args).first_prompt()
+    expected = "Read these lines.\nLine one is red.\nLine two is blue.\nWhich is red?"
+    assert mock.decode(list(traced)) == expected
+    concat.run(**args)
+    assert tuple(mock.requests[-1].input_ids) == traced
 
 
 def test_state_methods(mock):

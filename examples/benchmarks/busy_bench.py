@@ -21,13 +21,12 @@ import argparse
 import collections
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from peer_bench import w1_spec
-from side_by_side import run_worker
+from side_by_side import run_worker, start_neighbours, stop_neighbours
 
 PEER_BENCH = str(Path(__file__).with_name("peer_bench.py"))
 TORCH_PATH = {"FLOWLANG_NATIVE_KERNELS": "0"}
@@ -36,16 +35,6 @@ TORCH_PATH = {"FLOWLANG_NATIVE_KERNELS": "0"}
 def baseline_torch_path(scratch: Path) -> dict[str, str]:
     """An older checkout has no switch: its kernel build fails and it falls back."""
     return {"CXX": "/nonexistent/c++", "TORCH_EXTENSIONS_DIR": str(scratch / "no-extensions")}
-
-
-def start_neighbours(count: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-
-
-def stop(neighbours: list[subprocess.Popen]) -> None:
-    for proc in neighbours:
-        proc.kill()
-        proc.wait()
 
 
 def cells(args: argparse.Namespace, scratch: Path) -> dict[str, tuple[Path | None, dict]]:
@@ -89,7 +78,7 @@ def main() -> None:
                         spec_path, args.dtype, pythonpath=code, env_overrides=env,
                     )  # fmt: skip
                 finally:
-                    stop(neighbours)
+                    stop_neighbours(neighbours)
                 wall = sum(r["wall_s"] for r in record["rounds"])
                 walls[label, where].append(wall)
                 print(f"[repeat {repeat + 1}] {label}, {where}: {wall:.1f} s", flush=True)

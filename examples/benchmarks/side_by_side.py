@@ -1,5 +1,6 @@
 """Running one engine's worker in a fresh process for the side-by-side benchmarks
-(peer_bench.py, decode_bench.py). Standard library only: vLLM's workers import it from vLLM's own
+(peer_bench.py, decode_bench.py), and the CPU-bound neighbours measured runs sit beside. Standard
+library only: vLLM's workers import it from vLLM's own
 venv."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -44,3 +46,14 @@ def run_worker(
     cmd += ["--out", str(out_path), *extra_args]
     subprocess.run(cmd, check=True, env=env, cwd=Path(__file__).resolve().parents[2])
     return json.loads(out_path.read_text())
+
+
+def start_neighbours(count: int) -> list[subprocess.Popen]:
+    """`count` pure-Python busy loops: a user's machine is rarely quiet."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+def stop_neighbours(neighbours: list[subprocess.Popen]) -> None:
+    for proc in neighbours:
+        proc.kill()
+        proc.wait()

@@ -14,6 +14,7 @@ from typing import Any
 
 from flowlang.backends import get_default_backend
 from flowlang.backends.base import Backend
+from flowlang.context import current_run
 from flowlang.errors import InstanceError, ProgramError
 from flowlang.graph import RequestGraph
 from flowlang.program import Program
@@ -85,13 +86,17 @@ class SglFunction:
     ) -> SGLangState:
         """Run once; SGLang's sampling arguments (max_new_tokens, temperature, stop, ...) are
         defaults for its gens. `stream=True` returns at once (see `text_iter`). `use_thread`
-        is ignored: nodes always run on a worker thread."""
+        is ignored: nodes always run on a worker thread.
+
+        Called from inside another program's body (SGLang's nested call), it runs on that
+        program's backend and returns at once, as SGLang's does: the caller goes on (its next
+        call overlaps this one) and waits only where it reads this state."""
         sampling, program_args = _split(kwargs)
         return self.program.run(  # type: ignore[return-value] - state_type is SGLangState
             *args,
             backend=backend,
             sampling=sampling,
-            stream=stream,
+            stream=stream or current_run() is not None,
             **{**program_args, **self.bind_arguments},
         )
 

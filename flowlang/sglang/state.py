@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from flowlang.errors import FlowlangError, ProgramError
-from flowlang.sglang.expr import Expr, NotSupportedError, role
+from flowlang.sglang.expr import Expr, role
 from flowlang.state import ProgramState
 
 JOIN_MODES = {"gather_variable": "gather", "concate_and_append": "concat"}
@@ -48,10 +48,23 @@ class SGLangState(ProgramState):
         return self._role("assistant", expr)
 
     def fork(self, size: int = 1, position_ids_offset: Sequence[int] | None = None) -> ForkGroup:
-        """`size` branches from here as SGLang's fork group (the shared prefix is pinned)."""
+        """`size` branches from here as SGLang's fork group (the shared prefix is pinned).
+
+        `position_ids_offset` (one int per branch) is checked and, as in SGLang's own frontend
+        and runtime today, has no effect: every branch continues at its natural positions, and
+        `join("concate_and_append")` appends the branches' text, which the next request
+        prefills with ordinary attention (SGLang's text path; its KV-concatenating path is gone).
+        """
+        size = int(size)
         if position_ids_offset is not None:
-            raise NotSupportedError("fork(position_ids_offset=...): branches keep their positions")
-        return ForkGroup(super().fork(int(size)), self)
+            offsets = list(position_ids_offset)
+            if len(offsets) != size or not all(
+                isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets
+            ):
+                raise ProgramError(
+                    f"fork({size}, position_ids_offset={offsets!r}): one int >= 0 per branch"
+                )
+        return ForkGroup(super().fork(size), self)
 
     @contextlib.contextmanager
     def copy(self, position_ids_offset: Sequence[int] | None = None) -> Iterator[SGLangState]:
