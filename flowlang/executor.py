@@ -361,7 +361,8 @@ class StreamExecutor:
         record = self.forks[node.fork_id]
         record.text_len, record.ids_len = len(self.content.text), len(self.content.ids)
         if len(self.content.ids) > 0:
-            # the shared prefix is prefilled once and locked while the branches run
+            # the shared prefix is prefilled once and locked while the branches run (an engine
+            # without a prefix cache answers at once, computing and holding nothing)
             record.pin = self.ctx.backend.pin(
                 list(self.content.ids), self.ctx.namespace, self._hints()
             )

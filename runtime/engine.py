@@ -101,7 +101,7 @@ class Engine:
             self._pin_ids,
             self._release_pin,
             self._run_to_end,
-            share_prefixes=not self.config.disable_radix_cache,
+            share_prefixes=self.caches_prefixes,
         )
         self._rids: set[str] = set()  # in flight: a request id names one request (abort)
         self._rids_lock = threading.Lock()
@@ -258,12 +258,30 @@ class Engine:
         self._check_open()
         return [self.scorer.score(r) for r in requests]
 
+    @property
+    def caches_prefixes(self) -> bool:
+        """Whether KV a pin or a finished request computed is reused by later requests (False
+        with disable_radix_cache: every request computes its whole prompt)."""
+        return not self.config.disable_radix_cache
+
     def pin(
         self, prefix: str | list[int], namespace: str | None = None, hints: GraphHints | None = None
     ) -> PinHandle:
-        """Prefill `prefix` if it is not cached (once) and lock it until released."""
+        """Prefill `prefix` if it is not cached (once) and lock it until released. Without a
+        prefix cache nothing could read it, so nothing is computed or held (`info.held` is
+        False) and releasing is a no-op: prefilling it would only add to what requests send."""
         self._check_open()
         ids = self.intake.tokens(prefix, special=True)
+        if not self.caches_prefixes:
+            self.intake.validate_prompt(ids, 0)  # the errors a held pin would raise
+            info = PinInfo(
+                pin_id=_new_pin_id(),
+                num_tokens=len(ids),
+                cached_tokens=0,
+                namespace=namespace,
+                held=False,
+            )
+            return PinHandle(info, _release_nothing)
         info, _ = self._pin_ids(ids, namespace, hints, False)
         return PinHandle(info, self._release_pin)
 
@@ -404,7 +422,7 @@ class Engine:
         self, ids: list[int], namespace: str | None, hints: GraphHints | None, keep_row: bool
     ) -> tuple[PinInfo, torch.Tensor | None]:
         """Pin token ids; with `keep_row`, also return the last position's logprob row."""
-        pin_id = f"pin-{uuid.uuid4().hex[:12]}"
+        pin_id = _new_pin_id()
         req = self.intake.pin_req(pin_id, ids, namespace, hints, keep_row)
         (finished,) = self._run_to_end([req])
         info = PinInfo(
@@ -450,6 +468,14 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError("the engine is closed")
+
+
+def _new_pin_id() -> str:
+    return f"pin-{uuid.uuid4().hex[:12]}"
+
+
+def _release_nothing(pin_id: str) -> None:
+    """An unheld pin's release: the scheduler never saw it."""
 
 
 def _decoder(tokenizer: Any) -> Callable[[tuple[int, ...]], str] | None:

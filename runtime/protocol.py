@@ -324,3 +324,8 @@ class PinInfo(_Frozen):
     num_tokens: int
     cached_tokens: int = Field(description="tokens that were already cached when pinned")
     namespace: str | None = None
+    held: bool = Field(
+        True,
+        description="False on an engine without a prefix cache: no request could reuse the "
+        "prefix, so nothing was computed or locked (the handle still releases as usual)",
+    )

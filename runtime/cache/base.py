@@ -2,7 +2,9 @@
 
 `RadixCache` (radix.py) is the real one. `NullCache` is what `disable_radix_cache` gives: it
 matches nothing and takes nothing, so every request computes and frees its own KV, through the
-very same code path (no "is there a cache?" branches anywhere).
+very same code path (no "is there a cache?" branches anywhere). A pin could only be kept by a
+cache, so `Engine.pin` answers it without the scheduler (computes nothing, holds nothing): a
+prefilled pin's KV would be freed at once and every reader would compute it again.
 """
 
 from __future__ import annotations

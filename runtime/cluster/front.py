@@ -68,6 +68,11 @@ class ClusterEngine:
         """How the model writes its reasoning (as Engine.reasoning_format)."""
         return model_reasoning_format(self.config, self.tokenizer)
 
+    @property
+    def caches_prefixes(self) -> bool:
+        """Whether the replicas reuse computed prefixes (as Engine.caches_prefixes)."""
+        return not self.config.disable_radix_cache
+
     # ---------------------------------------------------------------- requests
     def submit(
         self, request: GenerateRequest, loop: asyncio.AbstractEventLoop | None = None

@@ -99,7 +99,8 @@ async def score(body: ScoreRequest, request: Request, server: ServerDep):
 async def pin(body: PinBody, request: Request, server: ServerDep):
     """Pin a prefix in the cache under a lease the client must renew."""
     namespace, tenant = server.namespace(request, body.namespace), server.tenant(request)
-    num_tokens = len(body.prefix_ids)
+    # an engine without a prefix cache holds nothing for a pin (Engine.pin): no quota taken
+    num_tokens = len(body.prefix_ids) if server.engine.caches_prefixes else 0
     server.leases.reserve(tenant, num_tokens)  # before the prefill: concurrent pins count
     try:
         handle = await asyncio.to_thread(server.engine.pin, body.prefix_ids, namespace, body.hints)

@@ -44,13 +44,14 @@ class PinLeases:
         or refuse (429) a pin that would take it past the quota: one tenant must not hold the
         pool that every other tenant's requests need. Checked and taken at once, so that
         concurrent pins cannot all pass the check before any of them holds its lease. The
-        reservation ends in `add` (the pin is held) or `unreserve` (it failed)."""
+        reservation ends in `add` (the pin is held) or `unreserve` (it failed). An engine
+        without a prefix cache holds no pin's tokens: its pins reserve 0 and count 0."""
         quota = self.max_tokens_per_owner
         with self._lock:
             held = self._reserved_tokens[owner] + sum(
                 lease.handle.info.num_tokens
                 for lease in self._leases.values()
-                if lease.owner == owner
+                if lease.owner == owner and lease.handle.info.held
             )
             if quota is not None and held + num_tokens > quota:
                 raise TooManyRequestsError(
