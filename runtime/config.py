@@ -90,6 +90,16 @@ class EngineConfig(BaseModel):
     enable_jump_forward: bool = Field(
         True, description="append grammar-forced text without sampling (constrained requests)"
     )
+    grammar_step_budget_ms: float = Field(
+        50.0,
+        ge=0,
+        description="most a step waits for grammar masks, which are filled on threads of their "
+        "own; a constrained request whose mask is not ready by then sits the step out "
+        "(runtime/scheduler/grammar_gate.py)",
+    )
+    grammar_mask_threads: int = Field(
+        1, ge=1, description="threads that fill grammar masks (at a lower priority)"
+    )
     speculative: str = Field(
         "off",
         description="tree: decoding requests guess their next tokens from what the engine "

@@ -157,7 +157,9 @@ def run_case(server: ServerProcess, watch: HealthWatch, case: Case, control: lis
         server.start()
         watch.take()
         return Verdict(outcome, False, False, False, case.is_expected(outcome))
-    stalled = watch.take() > 1.0
+    worst_health_s = watch.take()
+    print(f"    slowest /health: {worst_health_s:.2f} s", file=sys.stderr, flush=True)
+    stalled = worst_health_s > 1.0
     crashed = server.process.poll() is not None or server.health(10) != 200
     if not crashed:
         crashed = _control(server) != control
@@ -266,6 +268,7 @@ def main() -> None:
     parser.add_argument("--tree", action="append", required=True, help="name=path, repeatable")
     parser.add_argument("--port", type=int, default=30111)
     parser.add_argument("--category", action="append", help="only these categories")
+    parser.add_argument("--case", action="append", help="only the cases of these names")
     parser.add_argument(
         "--resume", action="store_true", help="keep the verdicts recorded by an earlier run"
     )
@@ -276,7 +279,12 @@ def main() -> None:
         "replicas": (REPLICA_CASES, {"tenants": True, "replicas": 2}),
     }
     chosen = {
-        suite: [c for c in cases if not args.category or c.category in args.category]
+        suite: [
+            c
+            for c in cases
+            if (not args.category or c.category in args.category)
+            and (not args.case or c.name in args.case)
+        ]
         for suite, (cases, _) in suites.items()
     }
     results: dict[str, dict[str, Counter]] = {}

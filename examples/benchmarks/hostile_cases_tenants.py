@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -332,6 +333,7 @@ def while_busy(start_bad: Callable[[str], Callable[[], None]]) -> Callable[[str]
                     slowest = max(slowest, time.monotonic() - started)
         finally:
             cleanup()
+        print(f"    the other tenant's slowest probe: {slowest:.2f} s", file=sys.stderr, flush=True)
         if statuses != {200}:
             return str(max(statuses))
         return "starved" if slowest > VICTIM_SLOW_S else "unaffected"

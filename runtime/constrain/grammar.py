@@ -171,12 +171,17 @@ def _refuse_endless(compiled: Any, kind: str) -> None:
 
 
 class ConstraintState:
-    """One request's position in its grammar, and the tokens the grammar forces next.
+    """One request's position in its grammar, its mask of allowed next tokens, and the tokens
+    the grammar forces next.
 
     Where the grammar admits exactly one continuation, its canonical tokenization (all but the
     last token, which may merge with what follows; and only if it joins the previous token
     canonically) is the plan: jump-forward appends it in one go, and without jump-forward the
     mask allows only the plan's next token. Both produce the very same tokens.
+
+    The mask may be filled on another thread (masks.py: some grammars take seconds per mask
+    over a large vocabulary): `fill_mask` and every move of the matcher take the state's lock,
+    so a move waits for a fill in progress, and `num_moves` says which position a mask is for.
     """
 
     def __init__(self, grammars: GrammarCache, matcher: Any) -> None:
@@ -185,10 +190,32 @@ class ConstraintState:
         self.last_token: int | None = None
         self.plan: list[int] = []
         self.num_forced = 0  # tokens appended by jump-forward
+        self.num_moves = 0  # accepts and rollbacks so far: which position a mask is for
+        self.mask = grammars._xgr.allocate_token_bitmask(1, grammars.vocab_size)  # (1, words)
+        self.mask_at: int | None = None  # num_moves when `mask` was filled; None: never
+        self.fill_s: float | None = None  # how long the last fill took; None: none yet
+        self._lock = threading.Lock()
+
+    @property
+    def mask_ready(self) -> bool:
+        """Whether `mask` is this position's (no fill needed before sampling)."""
+        return self.mask_at == self.num_moves
+
+    def fill_mask(self) -> None:
+        """Fill `mask` for the current position, unless it is; times the fill (`fill_s`)."""
+        with self._lock:
+            if self.mask_ready:
+                return
+            started = time.perf_counter()
+            self.matcher.fill_next_token_bitmask(self.mask, 0)
+            self.fill_s = time.perf_counter() - started
+            self.mask_at = self.num_moves
 
     def accept(self, token_id: int) -> bool:
-        if not self.matcher.accept_token(token_id):
-            return False
+        with self._lock:
+            if not self.matcher.accept_token(token_id):
+                return False
+            self.num_moves += 1
         self.last_token = token_id
         if self.plan and self.plan[0] == token_id:
             self.plan.pop(0)
@@ -220,7 +247,9 @@ class ConstraintState:
         ids = list(self.forced())
         for count, token_id in enumerate(ids):
             if not self.accept(token_id):
-                self.matcher.rollback(count)
+                with self._lock:
+                    self.matcher.rollback(count)
+                    self.num_moves += 1
                 self.plan = []
                 return []
         self.num_forced += len(ids)
@@ -228,15 +257,16 @@ class ConstraintState:
 
 
 def apply_constraints(logits: torch.Tensor, states: list[ConstraintState | None]) -> None:
-    """Mask, in place, what each constrained row's grammar does not allow next."""
+    """Mask, in place, what each constrained row's grammar does not allow next (a row whose
+    mask is not filled yet is filled here)."""
     rows = [i for i, state in enumerate(states) if state is not None]
     if not rows:
         return
     grammars = states[rows[0]].grammars
     xgr = grammars._xgr
-    bitmask = xgr.allocate_token_bitmask(len(rows), grammars.vocab_size)
-    for j, i in enumerate(rows):
-        states[i].matcher.fill_next_token_bitmask(bitmask, j)
+    for i in rows:
+        states[i].fill_mask()  # at once where it is filled already
+    bitmask = torch.cat([states[i].mask for i in rows])  # (num_constrained, words)
     vocab = min(logits.shape[1], grammars.vocab_size)
     sub = logits[rows, :vocab]  # (num_constrained, vocab)
     xgr.apply_token_bitmask_inplace(sub, bitmask)

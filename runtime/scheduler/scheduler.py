@@ -1,7 +1,8 @@
 """The scheduler decides: which requests run next and how much of each; it never runs the model.
 
 `schedule()` builds one mixed batch: decodes of every running request, then prefill chunks of
-running and newly admitted requests up to the token budget. `process(batch, logits)` applies a
+running and newly admitted requests up to the token budget (a constrained request decodes, or is
+admitted, once its grammar mask is ready: grammar_gate.py). `process(batch, logits)` applies a
 forward pass's logits: counts, prompt logprobs, sampling, stop rules, inserting computed KV into
 the tree, finishing. It needs slot counts and logits only, so it is tested with fake logits.
 Everything here runs on the engine's loop thread.
@@ -34,6 +35,7 @@ from runtime.cache.token_index import TokenIndex
 from runtime.config import EngineConfig
 from runtime.model.batch import ForwardBatch
 from runtime.scheduler.drafts import Drafter
+from runtime.scheduler.grammar_gate import GrammarGate
 from runtime.scheduler.kv import KVManager, future_tokens
 from runtime.scheduler.policy import SchedulePolicy
 from runtime.scheduler.request import Req, ReqKind, ReqStatus
@@ -87,6 +89,7 @@ class Scheduler:
         self.counters: Counter[str] = Counter()
         self._admit_seq = 0
         self._deadlines: list[tuple[float, int, Req]] = []  # heap: soonest first
+        self.grammar = GrammarGate(config.grammar_step_budget_ms, config.grammar_mask_threads)
         self.drafter: Drafter | None = None
         if config.speculative == "tree":
             index = None
@@ -99,6 +102,7 @@ class Scheduler:
         req.status = ReqStatus.WAITING
         self.waiting[req.rid] = req
         self.kv.arrived(req)
+        self.grammar.start(req)  # its first mask, filled while it waits
         if req.deadline is not None:  # a retracted request comes back: a second entry is inert
             heapq.heappush(self._deadlines, (req.deadline, req.arrival, req))
 
@@ -125,8 +129,10 @@ class Scheduler:
         if self.kv.prefetches and self.waiting:  # lazily: only the first few are matched
             order = self.policy.order(list(self.waiting.values()))
             self.kv.prefetch((req, self.policy.match(req)) for req in order)
+        self.grammar.prepare([r for r in self.running if r.is_decoding])
         entries = self._schedule_entries()
         if not entries:
+            self.grammar.idle()
             return None
         self.counters["steps"] += 1
         used = self.kv.allocator.num_used_slots
@@ -149,11 +155,13 @@ class Scheduler:
     def _schedule_entries(self) -> list[BatchEntry]:
         while True:
             self._ensure_decode_slots()
+            decoding = [r for r in self.running if r.is_decoding]
             entries = [
                 BatchEntry(r, r.num_tokens - r.num_computed, True, False, True)
-                for r in self.running
-                if r.is_decoding
+                for r in decoding
+                if self.grammar.can_sample(r)  # else: its grammar mask is not ready
             ]
+            num_deferred = len(decoding) - len(entries)
             if self.drafter is not None and len(entries) <= self.config.spec_max_batch:
                 entries = [self._with_draft(e, len(entries)) for e in entries]
             budget = self.config.chunked_prefill_tokens
@@ -165,8 +173,8 @@ class Scheduler:
                 budget -= num_new
             if budget > 0 and self.waiting and len(self.running) < self.config.max_running_requests:
                 entries += self._admit(budget)
-            if entries or not self.running:
-                return entries
+            if entries or not self.running or num_deferred:
+                return entries  # (none while decodes wait for masks: they will run soon)
             # only prefills that cannot get memory: make room by retracting, or fail the last
             if len(self.running) == 1:
                 self._fail_too_large(self.running[0], self.running[0].num_tokens)
@@ -178,6 +186,7 @@ class Scheduler:
         slots hold it (a guess never evicts anything)."""
         req = entry.req
         draft = self.drafter.draft(req, self.running, num_decodes)
+        draft = draft[: self.grammar.max_draft_tokens(req, len(draft))]
         if not draft or not self.kv.grow(req, req.num_tokens + len(draft), evict=False):
             return entry
         return replace(entry, draft=tuple(draft))
@@ -199,6 +208,8 @@ class Scheduler:
         for req in self.policy.order(list(self.waiting.values())):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
+            if not self.grammar.can_sample(req, admitting=True):
+                continue  # its first mask is not ready: it would stall the step
             position = self.policy.match(req)  # reused: admission never matches again
             if self.kv.shares_inflight(req, position.prefix_len, self.running):
                 self.counters["prefill_waits"] += 1
@@ -356,6 +367,8 @@ class Scheduler:
         _notify(req.on_delta, req)
         if req.gen.finished:
             self._finish(req, req.gen.finish_reason)
+        else:
+            self.grammar.start(req)  # its next mask, filled while this step ends
 
     def _complete(self, req: Req) -> None:
         """A prefill-only request or pin whose tokens are all computed (or were cached)."""
@@ -373,6 +386,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.kv.release(req, insert=reason != "error")
+        self.grammar.ended(req)
         req.gen.finish(reason)
         req.status = ReqStatus.FINISHED
         self.counters[{"abort": "aborted", "error": "errors"}.get(reason, "finished")] += 1
@@ -422,6 +436,7 @@ class Scheduler:
             "schedule_rematches_total": self.policy.num_rematches,
             "new_token_ratio": self.new_token_ratio,
             "jump_forward_tokens_total": c["jump_forward_tokens"],
+            **self.grammar.stats(),
             **(self.drafter or Drafter(1, None)).stats(),  # zeros when speculation is off
             **(self.kv.tiers.stats() if self.kv.tiers is not None else {}),
         }
