@@ -1,5 +1,7 @@
 """The GPU path. On CPU: backend selection, random-weight models, the bench's floor
-arithmetic. On CUDA (tests marked gpu): flashinfer against the torch reference."""
+arithmetic. On CUDA (tests marked gpu, skipped without a device): flashinfer against the torch
+reference, decode graphs against eager, the fused pointwise kernels, sampling on the device,
+speculative decoding, Gemma 2 and 3 against transformers, the host KV tier."""
 
 from __future__ import annotations
 
@@ -41,6 +43,20 @@ def agree_until_near_ties(results, reference) -> None:
                 break
             agreed += 1
     assert agreed >= 0.8 * compared
+
+
+def device_engine_config(**settings):
+    """The engine the device tests share: a random-weight Llama-3 shape in bf16 on the GPU."""
+    from runtime.config import EngineConfig
+
+    return EngineConfig(
+        model="random:llama-3-small",
+        device="cuda",
+        dtype="bfloat16",
+        max_kv_tokens=8192,
+        page_size=16,
+        **settings,
+    )
 
 
 def test_auto_backend_selection():
@@ -189,7 +205,6 @@ def test_engine_decodes_token_for_token_with_graphs():
     """The whole engine, graphs on vs off, greedy: as requests finish the batch shrinks through
     eager (7 > 4) and padded graph sizes. Tokens agree until the first step where eager's
     top two logprobs tie within bf16 noise (after which contexts differ)."""
-    from runtime.config import EngineConfig
     from runtime.engine import Engine
     from runtime.protocol import GenerateRequest, SamplingParams
 
@@ -206,15 +221,7 @@ def test_engine_decodes_token_for_token_with_graphs():
 
     results = {}
     for graphs_on in (True, False):
-        config = EngineConfig(
-            model="random:llama-3-small",
-            device="cuda",
-            dtype="bfloat16",
-            max_kv_tokens=8192,
-            page_size=16,
-            disable_cuda_graph=not graphs_on,
-            cuda_graph_max_batch_size=4,
-        )
+        config = device_engine_config(disable_cuda_graph=not graphs_on, cuda_graph_max_batch_size=4)
         with Engine(config) as engine:
             results[graphs_on] = engine.generate(requests())
             replays = engine.stats()["cuda_graph_replays_total"]
@@ -228,7 +235,6 @@ def test_engine_decodes_token_for_token_with_graphs():
 def test_speculative_decoding_on_the_device():
     """Drafts verified by flashinfer's extend kernels (graphs serve the plain decodes): greedy
     tokens agree with speculation off until a near-tie in bf16 noise, and guesses are taken."""
-    from runtime.config import EngineConfig
     from runtime.engine import Engine
     from runtime.protocol import GenerateRequest, SamplingParams
 
@@ -244,14 +250,7 @@ def test_speculative_decoding_on_the_device():
     ]
     results, stats = {}, {}
     for mode in ("off", "tree"):
-        config = EngineConfig(
-            model="random:llama-3-small",
-            device="cuda",
-            dtype="bfloat16",
-            max_kv_tokens=8192,
-            page_size=16,
-            speculative=mode,
-        )
+        config = device_engine_config(speculative=mode)
         with Engine(config) as engine:
             results[mode] = engine.generate(reqs)
             stats[mode] = engine.stats()
@@ -327,3 +326,102 @@ def test_sampling_on_the_device():
     mixed = [state(temperature=0), state(seed=3, logprobs=True)]
     out = sample(logits.expand(2, -1), [s.sampler for s in mixed])
     assert out.token_ids[0] == 0 and out.logprobs[1] is not None
+
+
+GREEDY_WITH_TOP2 = dict(temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2)
+
+
+def check_gemma_against_transformers(kind: str, device: str, folder) -> None:
+    """A tiny `kind` model (alternating windows of 24 past which the prompts run, soft-caps,
+    Gemma's norms and GELU; Gemma 3's two RoPE bases) on `device` against transformers'
+    forward on the same device: fp32 prefill logits within 1e-3, and through the whole engine
+    (which picks the torch reference for attention and Gemma's pointwise ops) 16 greedy tokens
+    identical to transformers' generate; in bf16 the tokens agree with fp32's until a near tie."""
+    from conftest import tiny_hf_model
+
+    from runtime.cache.allocator import SlotAllocator
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+    from runtime.model.arch import ModelArch
+    from runtime.model.batch import ForwardBatch
+    from runtime.model.runner import ModelRunner
+    from runtime.protocol import GenerateRequest, SamplingParams
+
+    hf = tiny_hf_model(kind, initializer_range=0.1)
+    hf.save_pretrained(folder)
+    hf = hf.to(device)
+    hf.generation_config.eos_token_id = None  # as ignore_eos: never stop, never mask eos
+
+    ids = [(11 * j) % 500 + 5 for j in range(57)]
+    config = EngineConfig(device=device, attention_backend="torch")
+    runner = ModelRunner(ModelArch.from_hf(hf.config), hf.state_dict(), 2048, config)
+    got = runner.forward(
+        ForwardBatch.build([ids], [SlotAllocator(2048).alloc(57)], all_logits=[True])
+    )
+    with torch.no_grad():
+        want = hf(torch.tensor([ids], device=device)).logits[0].float()
+    assert got.device.type == device and got.shape == want.shape
+    assert (got - want).abs().max().item() < 1e-3
+
+    prompts = [[(7 * i + 3 * j) % 500 + 5 for j in range(n)] for i, n in enumerate((9, 30, 44))]
+    with torch.no_grad():
+        expected = [
+            hf.generate(torch.tensor([p], device=device), max_new_tokens=16, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
+    sampling = SamplingParams(max_new_tokens=16, **GREEDY_WITH_TOP2)
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        engine_config = EngineConfig(
+            model=str(folder), device=device, dtype=dtype, max_kv_tokens=4096
+        )
+        with Engine(engine_config) as engine:
+            assert engine.stats()["attention_backend"] == ("torch" if device == "cuda" else "cpu")
+            results[dtype] = engine.generate(
+                [GenerateRequest(input_ids=p, sampling=sampling) for p in prompts]
+            )
+    assert [r.output_ids for r in results["float32"]] == expected
+    agree_until_near_ties(results["bfloat16"], results["float32"])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_gemma_on_the_device_matches_transformers(kind, tmp_path):
+    check_gemma_against_transformers(kind, "cuda", tmp_path)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_host_kv_tier_on_the_device():
+    """KV flushed from the device pool moves to host memory and is loaded back instead of
+    computed (bf16, flashinfer, decode graphs): the answer equals the device cache hit's (the
+    loaded KV is the computed KV, so the same kernels give the same tokens and logprobs), agrees
+    with the first computation's until a near tie, and the host counters say what was loaded."""
+    from runtime.engine import Engine
+    from runtime.protocol import GenerateRequest, SamplingParams
+
+    ids = [(13 * j) % 30000 + 5 for j in range(200)]
+    sampling = SamplingParams(max_new_tokens=24, **GREEDY_WITH_TOP2)
+    config = device_engine_config(host_kv_gb=0.05)
+    with Engine(config) as engine:
+        answers = []
+        for flush in (False, False, True):  # computed, a device cache hit, loaded from host
+            if flush:
+                engine.flush_cache()  # everything leaves the device pool for host memory
+            [result] = engine.generate([GenerateRequest(input_ids=ids, sampling=sampling)])
+            assert result.finish_reason == "length", result.error
+            answers.append(result)
+        engine.check_integrity()
+        stats = engine.stats()
+    first, hit, loaded = answers
+    assert stats["attention_backend"] == "flashinfer" and stats["cuda_graph_replays_total"] > 0
+    assert hit.cached_tokens == 192 and hit.loaded_tokens == 0
+    assert loaded.loaded_tokens == 192 and stats["kv_loaded_host_tokens_total"] == 192
+    assert stats["kv_demoted_tokens_total"] > 0 and stats["kv_loaded_disk_tokens_total"] == 0
+    assert loaded.output_ids == hit.output_ids
+    pairs = zip(loaded.logprobs, hit.logprobs, strict=True)
+    assert max(abs(a.logprob - b.logprob) for a, b in pairs) < 1e-3
+    agree_until_near_ties([loaded], [first])

@@ -19,14 +19,36 @@ from runtime.model.pointwise import NativeCpuOps, RopeTables, TorchOps, pointwis
 
 @pytest.fixture(scope="module")
 def native() -> NativeCpuOps:
-    ops = pointwise_ops(torch.device("cpu"), gemma_norms=False, hidden_act="silu")
+    ops = pointwise_ops(
+        torch.device("cpu"), gemma_norms=False, hidden_act="silu", dtype=torch.float32
+    )
     assert isinstance(ops, NativeCpuOps)
     return ops
 
 
 def test_gemma_norms_keep_the_reference():
-    ops = pointwise_ops(torch.device("cpu"), gemma_norms=True, hidden_act="gelu_pytorch_tanh")
+    ops = pointwise_ops(
+        torch.device("cpu"), gemma_norms=True, hidden_act="gelu_pytorch_tanh", dtype=torch.float32
+    )
     assert type(ops) is TorchOps
+
+
+def test_flashinfer_norms_only_for_half_precision(monkeypatch):
+    """flashinfer's fused norms take fp16/bf16 only: an fp32 engine on CUDA keeps the reference."""
+    import importlib.util
+    import sys
+    import types
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "flashinfer" else real_find_spec(name, *a),
+    )
+    cuda = torch.device("cuda")
+    assert pointwise_ops(cuda, False, "silu", torch.bfloat16).name == "flashinfer"
+    assert type(pointwise_ops(cuda, False, "silu", torch.float32)) is TorchOps
 
 
 @settings(max_examples=30, deadline=None)

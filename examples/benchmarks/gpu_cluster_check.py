@@ -4,6 +4,10 @@
     python examples/benchmarks/gpu_cluster_check.py --device cuda --out FILE   # on the device
     python examples/benchmarks/gpu_cluster_check.py --device cpu               # dry run here
 
+On the device, gpu_check.sh runs it as its cluster stage (Ray from the carried, trimmed tree),
+without flashinfer on the path: the engines here are fp32 on the torch reference, and
+flashinfer's fused norm kernels take only bf16/fp16.
+
 Checks (each a line of the printed table; the exit status is 1 if any fails):
 - placement: every replica's engine runs on the device Ray gave it (GPU ids per replica);
 - outputs: greedy (fp32) outputs of the cluster under round-robin equal one engine's;

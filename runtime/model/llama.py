@@ -52,7 +52,7 @@ class LlamaModel:
 
         pack = packed_gemm_available(self.device)
         # norms, RoPE, gated activation: flashinfer's fused kernels on CUDA for Llama-style models
-        self.ops = pointwise_ops(self.device, arch.gemma_norms, arch.hidden_act)
+        self.ops = pointwise_ops(self.device, arch.gemma_norms, arch.hidden_act, dtype)
         self.embed = get("model.embed_tokens.weight")  # (vocab, hidden)
         lm_head = self.embed if arch.tie_word_embeddings else get("lm_head.weight")
         self.lm_head = Linear(lm_head, None, pack)

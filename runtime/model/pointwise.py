@@ -1,6 +1,6 @@
 """The decoder's small per-token ops: RMSNorm, residual add + RMSNorm, RoPE, gated activation.
 
-One interface, three implementations, chosen by `pointwise_ops(device, arch)`:
+One interface, three implementations, chosen by `pointwise_ops(device, arch, dtype)`:
 - `TorchOps`, the reference on every device, with transformers' numerics: Llama-style norms in
   fp32 with the normalized activations cast back before the weight multiplies; Gemma-style
   norms (`gemma_norms`, weights held as 1 + w in fp32) multiply in fp32 and cast after; the
@@ -166,14 +166,17 @@ class NativeCpuOps(TorchOps):
         return self._kernels.silu_and_mul(gate_up.contiguous())
 
 
-def pointwise_ops(device: torch.device, gemma_norms: bool, hidden_act: str) -> TorchOps:
+def pointwise_ops(
+    device: torch.device, gemma_norms: bool, hidden_act: str, dtype: torch.dtype
+) -> TorchOps:
     """flashinfer's fused kernels on CUDA when installed, for Llama-style models (SiLU, plain
-    norms); our native norms on CPU for them (the reference if they cannot be built here);
-    the torch reference otherwise (Gemma's variants)."""
+    norms) in fp16/bf16 (its norms take no fp32); our native norms on CPU for them (the
+    reference if they cannot be built here); the torch reference otherwise (Gemma's variants)."""
     import importlib.util
 
     llama_style = not gemma_norms and hidden_act == "silu"
-    if device.type == "cuda" and llama_style and importlib.util.find_spec("flashinfer"):
+    half = dtype in (torch.float16, torch.bfloat16)
+    if device.type == "cuda" and llama_style and half and importlib.util.find_spec("flashinfer"):
         return FlashInferOps()
     if device.type == "cpu" and not gemma_norms:
         from runtime.model.native.kernels import KernelBuildError, load_cpu_kernels
