@@ -9,7 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flowlang.backends.base import PinLease
@@ -36,21 +36,45 @@ ROLE_MARKER_TOKENS = 4  # a chat template's role header or end, about (future_to
 @dataclass
 class _ForkRecord:
     branches: list[StreamExecutor]
+    upstream: _ForkRecord | None  # the fork whose branch forked this one
     pin: PinLease | None = None
     text_len: int = 0  # the parent's content when it forked: where branches' own parts start
     ids_len: int = 0
+    # the shared prefix, pinned when a branch first sends a request: a fork whose branches only
+    # append text before the join would pin KV that nothing reads before the join's prompt
+    prefix: tuple[list[int], GraphHints] | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def ensure_pinned(self, ctx: RunContext) -> None:
+        """Prefill the shared prefix once (outer forks' first) and lock it until the join."""
+        with self.lock:
+            if self.prefix is None:
+                return
+            if self.upstream is not None:
+                self.upstream.ensure_pinned(ctx)
+            ids, hints = self.prefix
+            self.prefix = None
+            # an engine without a prefix cache answers at once, computing and holding nothing
+            self.pin = ctx.backend.pin(ids, ctx.namespace, hints)
+            with ctx.lock:
+                ctx.pins.append(self.pin)  # released at join, or when the run ends
 
 
 class StreamExecutor:
     """Runs the nodes of one state (the root or a fork branch) on its own worker thread."""
 
     def __init__(
-        self, ctx: RunContext, branch_id: str = "0", fork_group: tuple[str, int] | None = None
+        self,
+        ctx: RunContext,
+        branch_id: str = "0",
+        fork_group: tuple[str, int] | None = None,
+        upstream: _ForkRecord | None = None,
     ) -> None:
         self.ctx = ctx
         self.program_id = ctx.program_id
         self.branch_id = branch_id
         self.fork_group = fork_group
+        self.upstream = upstream  # the fork this state is a branch of (its prefix's pin)
         self.renderer = Renderer(ctx.backend)
         self.content = Content()
         self.variables: dict[str, Any] = {}
@@ -112,13 +136,14 @@ class StreamExecutor:
     def fork(self, num_branches: int) -> tuple[str, list[StreamExecutor]]:
         """Queue a fork; its branches start from this state's content when the worker gets there."""
         fork_id = self.ctx.next_fork_id()
-        branches = [
-            StreamExecutor(self.ctx, f"{self.branch_id}.{i}", (fork_id, num_branches))
+        record = _ForkRecord([], self.upstream)
+        record.branches = [
+            StreamExecutor(self.ctx, f"{self.branch_id}.{i}", (fork_id, num_branches), record)
             for i in range(num_branches)
         ]
-        self.forks[fork_id] = _ForkRecord(branches)
+        self.forks[fork_id] = record
         self.submit(Fork(fork_id, num_branches))
-        return fork_id, branches
+        return fork_id, record.branches
 
     def get(self, name: str) -> Any:
         """The value of variable `name`, waiting for the node that defines it."""
@@ -306,6 +331,8 @@ class StreamExecutor:
     def _gen(self, node: Gen) -> None:
         if not self.content.ids:
             raise ProgramError(f"gen({node.name!r}) needs a prompt: add text first")
+        if self.upstream is not None:
+            self.upstream.ensure_pinned(self.ctx)
         fmt = output_format(node, self.ctx.backend, self.content.text)
         waits_on_tools = bool(node.tools) and node.tool_choice != "none"
         next_turn_after_s = node.next_turn_after_s
@@ -349,6 +376,8 @@ class StreamExecutor:
     def _select(self, node: Select) -> None:
         if not self.content.ids:
             raise ProgramError(f"select({node.name!r}) needs a prompt: add text first")
+        if self.upstream is not None:
+            self.upstream.ensure_pinned(self.ctx)
         choice_ids, decision, meta = score_choices(
             self.ctx.backend, self.content, node, self._hints(), self.ctx.namespace
         )
@@ -361,13 +390,8 @@ class StreamExecutor:
         record = self.forks[node.fork_id]
         record.text_len, record.ids_len = len(self.content.text), len(self.content.ids)
         if len(self.content.ids) > 0:
-            # the shared prefix is prefilled once and locked while the branches run (an engine
-            # without a prefix cache answers at once, computing and holding nothing)
-            record.pin = self.ctx.backend.pin(
-                list(self.content.ids), self.ctx.namespace, self._hints()
-            )
-            with self.ctx.lock:
-                self.ctx.pins.append(record.pin)  # released at join, or when the run ends
+            # prefilled once and locked while the branches run, from their first request on
+            record.prefix = (list(self.content.ids), self._hints())
         for branch in record.branches:
             branch.start(self.content.copy())
 
@@ -389,6 +413,8 @@ class StreamExecutor:
                 self.feed.put(part)
         for branch in record.branches:
             branch.close()
+        with record.lock:
+            record.prefix = None  # (never pinned: no branch sent a request)
         if record.pin is not None:
             record.pin.release()
 

@@ -125,7 +125,8 @@ def test_fork_join_gather_and_concat(mock):
     ideas = state["idea"]
     assert isinstance(ideas, list) and len(ideas) == 3 and len(set(ideas)) == 3
     assert state.text() == "Base. Part 0. Part 1."
-    assert [p.prefix_ids for p in mock.pins] == [mock.tokenize("Base.")] * 2
+    # one pin: the second fork's branches send no request, so nothing reads its prefix early
+    assert [p.prefix_ids for p in mock.pins] == [mock.tokenize("Base.")]
     assert all(p.released for p in mock.pins), "fork pins are released at join"
     prompts = [r.input_ids for r in mock.requests]
     base = mock.tokenize("Base.")
@@ -289,6 +290,39 @@ def bad_join(s, mode):
     s += "x"
     branches = s.fork(2)
     s.join(branches, mode=mode)
+
+
+def test_a_fork_pins_its_prefix_at_its_branches_first_request(mock):
+    """Nested forks pin outer first, each prefix once; a fork whose branches only append text
+    before the join pins nothing (the join's prompt is the first to read that prefix)."""
+
+    @program
+    def nested(s):
+        s += "Base."
+        outer = s.fork(2)
+        for i, b in enumerate(outer):
+            b += f" Outer {i}."
+            inner = b.fork(2)
+            for j, c in enumerate(inner):
+                c += f" Inner {j}:"
+                c += gen("x", max_new_tokens=2)
+            b.join(inner)
+        s.join(outer)
+        documents = s.fork(3)
+        for i, b in enumerate(documents):
+            b += f" Document {i}."
+        s.join(documents, mode="concat")
+        s += gen("answer", max_new_tokens=2)
+
+    state = nested.run()
+    assert "Document 2." in state.text()
+    base = mock.tokenize("Base.")
+    first, *inner = [p.prefix_ids for p in mock.pins]
+    assert first == base  # the outer fork's, before either branch's own
+    assert len(inner) == 2 and all(p[: len(base)] == base and len(p) > len(base) for p in inner)
+    assert len({tuple(p) for p in inner}) == 2  # each branch's prefix once
+    assert all(p.released for p in mock.pins)
+    assert len(mock.requests) == 5  # 4 inner gens and the answer
 
 
 def test_join_mode_is_checked_at_the_call_when_tracing_and_running(mock):

@@ -194,7 +194,8 @@ def test_fork_group_forms_and_join_modes(mock):
 
     state = parallel.run(contexts=["x.", "y."])
     assert len(state["tip"]) == 3 and state.text().count("Statement") == 2
-    assert all(p.released for p in mock.pins) and len(mock.pins) == 2
+    # one pin: the memory fork's branches send nothing before the join
+    assert all(p.released for p in mock.pins) and len(mock.pins) == 1
     assert {r.hints.fork_group_size for r in mock.requests[:3]} == {3}
     with pytest.raises(fl.ProgramError, match="join mode"):
         parallel.run(contexts=["x"]).fork(2).join(mode="merge")
