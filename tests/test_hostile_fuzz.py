@@ -828,8 +828,11 @@ PIN_STEPS = st.lists(
 )
 
 
-def test_route_bodies_with_hostile_values(fresh):
-    @settings(FUZZ, max_examples=4000)
+@pytest.mark.parametrize(
+    "num_examples", [1000, pytest.param(4000, marks=pytest.mark.slow, id="long")]
+)
+def test_route_bodies_with_hostile_values(fresh, num_examples):
+    @settings(FUZZ, max_examples=num_examples)
     @given(name=SERVER, route=ROUTES, auth=AUTH, steps=PIN_STEPS)
     def fuzz(name, route, auth, steps):
         method, path, body = route

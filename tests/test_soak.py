@@ -239,6 +239,7 @@ def wait_for(condition, timeout: float = 30.0) -> bool:
     return condition()
 
 
+@pytest.mark.slow
 def test_soak_64_clients_mixing_valid_invalid_aborted_and_disconnecting(soaked):
     engine = soaked.engine
     before = engine.stats()
