@@ -22,11 +22,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
 import os
 import resource
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -106,32 +106,47 @@ def _cap_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP_BYTES, MEMORY_CAP_BYTES))
 
 
-class HealthWatch(threading.Thread):
-    """/health every 100 ms; the slowest answer since the last `take()`."""
+class HealthWatch:
+    """/health every 100 ms from a process of its own, as a balancer probes: the cases' client
+    threads (40 streams opened at once, say) share this process's GIL, and a probe made here
+    would time them too. `take()`: the slowest answer since the last take."""
 
     def __init__(self, url: str) -> None:
-        super().__init__(daemon=True)
-        self.url, self.worst, self.stopping = url, 0.0, threading.Event()
-        self.last_done = 0.0  # when the last probe got its answer (or gave up)
+        self._conn, child = multiprocessing.get_context("spawn").Pipe()
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=_watch_health, args=(url, child), daemon=True
+        )
 
-    def run(self) -> None:
-        while not self.stopping.is_set():
-            started = time.monotonic()
-            try:
-                httpx.get(f"{self.url}/health", timeout=20)
-            except httpx.HTTPError:
-                pass
-            self.worst = max(self.worst, time.monotonic() - started)
-            self.last_done = time.monotonic()
-            self.stopping.wait(0.1)
+    def start(self) -> None:
+        self._process.start()
 
     def take(self) -> float:
         """The slowest answer since the last take(), once the probe in flight has ended."""
-        asked = time.monotonic()
-        while self.last_done < asked and time.monotonic() < asked + 25:
-            time.sleep(0.05)
-        worst, self.worst = self.worst, 0.0
-        return worst
+        self._conn.send("take")
+        if not self._conn.poll(25):
+            return 25.0  # a probe held that long: a stall
+        return self._conn.recv()
+
+    def stop(self) -> None:
+        self._process.kill()
+        self._process.join()
+
+
+def _watch_health(url: str, conn) -> None:
+    """The watch's process: probe, answer pending takes with the worst since the last one."""
+    worst = 0.0
+    while True:
+        started = time.monotonic()
+        try:
+            httpx.get(f"{url}/health", timeout=20)  # a new connection each time, as a balancer
+        except httpx.HTTPError:
+            pass
+        worst = max(worst, time.monotonic() - started)
+        while conn.poll():
+            conn.recv()
+            conn.send(worst)
+            worst = 0.0
+        time.sleep(0.1)
 
 
 @dataclass
@@ -212,7 +227,7 @@ def measure(
             print(f"  {case.category:10} {case.name:44} {verdict}", file=sys.stderr, flush=True)
     finally:
         if todo:
-            watch.stopping.set()
+            watch.stop()
             server.stop()
     return _table(cases, records)
 
