@@ -194,6 +194,17 @@ class CpuPagedAttention(TorchAttention):
             else:
                 out[cascade.rows] = self._attend_cascade(layer, cascade, q, k, v)
 
+    def _attend_extend(self, i, ext, q, k_seq, v_seq, window) -> torch.Tensor:
+        """The native flash kernel aligns causality to the last keys itself: an extend after a
+        cached prefix needs no (num_new, seq_len) mask, which sends torch's SDPA down its
+        slower masked path (1.7x for 1,024 new tokens after 39 cached; 8x after 3,000)."""
+        if not self._native_flash or window is not None or self.softcap is not None:
+            return super()._attend_extend(i, ext, q, k_seq, v_seq, window)
+        if k_seq.stride(0) != v_seq.stride(0):  # new rows: k is RoPE's output, v a view of qkv
+            k_seq, v_seq = k_seq.contiguous(), v_seq.contiguous()
+        scale = q.shape[-1] ** -0.5
+        return self._kernels.flash_attention(q.contiguous(), k_seq, v_seq, scale, True)[0]
+
     def _attend_decodes_fused(
         self, layer: int, cascade: _Cascade, q: torch.Tensor, out: torch.Tensor
     ) -> None:

@@ -143,8 +143,21 @@ class TorchAttention(AttentionBackend):
                 k_seq, v_seq = k[rows], v[rows]  # nothing cached: attend to the new rows directly
             else:
                 k_seq, v_seq = self.gather_kv(layer, ext.slots)
-            mask = self._extend_mask(i, ext, window)
-            out[rows] = _sdpa(q[rows], k_seq, v_seq, mask, mask is None, self.softcap)
+            out[rows] = self._attend_extend(i, ext, q[rows], k_seq, v_seq, window)
+
+    def _attend_extend(
+        self,
+        i: int,
+        ext: _Extend,
+        q: torch.Tensor,
+        k_seq: torch.Tensor,
+        v_seq: torch.Tensor,
+        window: int | None,
+    ) -> torch.Tensor:
+        """One extend's new rows q (num_new, heads, d) over its whole sequence's K/V (seq_len,
+        kv_heads, d), causal by absolute position -> (num_new, heads, d)."""
+        mask = self._extend_mask(i, ext, window)
+        return _sdpa(q, k_seq, v_seq, mask, mask is None, self.softcap)
 
     def _attend_decodes(self, layer: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
         """q (num_decodes, num_heads, head_dim) -> same shape; one padded SDPA call."""
