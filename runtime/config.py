@@ -109,6 +109,13 @@ class EngineConfig(BaseModel):
     spec_max_draft_tokens: int = Field(
         8, ge=1, le=64, description="most tokens one request guesses per step"
     )
+    reuse_prompt_logits: int = Field(
+        32,
+        ge=0,
+        description="next-token logit rows kept after recently computed prompts: a request "
+        "repeating a whole cached prompt (fork siblings at one gen, n > 1, retries) samples "
+        "from its row and computes nothing (0: off; runtime/scheduler/prompt_logits.py)",
+    )
     spec_max_batch: int = Field(
         16,
         ge=1,

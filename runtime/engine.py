@@ -171,7 +171,7 @@ class Engine:
             self.cpu_share.update()  # the cores other processes leave free, read once a second
         start = time.perf_counter()
         try:
-            logits = self.runner.forward(batch.forward)
+            logits = None if batch.forward is None else self.runner.forward(batch.forward)
         except Exception:  # noqa: BLE001 - find the request that breaks it, fail only that one
             log_failure("a forward pass failed; retrying its requests one by one")
             self._run_one_by_one(batch)
@@ -186,7 +186,7 @@ class Engine:
         for entry in batch.entries:
             single = self.scheduler.batch_of([entry])
             try:
-                logits = self.runner.forward(single.forward)
+                logits = None if single.forward is None else self.runner.forward(single.forward)
             except Exception as err:  # noqa: BLE001 - this request's own failure
                 message = f"the forward pass failed on this request: {err}"
                 self.scheduler.fail(entry.req, message, kind="internal")

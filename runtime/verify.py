@@ -35,14 +35,20 @@ class EntryOutcome:
     sampled: bool = False  # tokens were appended to its output
     num_accepted: int = 0  # draft tokens that were right: their KV is kept
     num_forced: int = 0  # tokens a grammar forced after the sampled ones (jump-forward)
+    prompt_logits: torch.Tensor | None = None  # (vocab,): after the whole prompt, just computed
     error: str | None = None
     error_kind: str = "invalid"
 
 
 def apply_logits(
-    batch: ScheduledBatch, logits: torch.Tensor, jump_forward: bool
+    batch: ScheduledBatch, logits: torch.Tensor | None, jump_forward: bool
 ) -> list[EntryOutcome]:
-    """logits (num_logit_rows, vocab), rows in entry order -> one outcome per entry."""
+    """logits (num_logit_rows, vocab): the forward pass's rows in entry order (None without
+    one) -> one outcome per entry. Entries that reuse kept logits come last, a row each."""
+    reused = [e.req.reused_logits for e in batch.entries if e.reuses_logits]
+    if reused:
+        kept = torch.stack(reused)  # (num_reused, vocab)
+        logits = kept if logits is None else torch.cat([logits, kept.to(logits.device)])
     outcomes = [EntryOutcome() for _ in batch.entries]
     plain: list[tuple[Req, int, EntryOutcome]] = []  # sampled together: one row each
     row = 0
@@ -60,8 +66,12 @@ def apply_logits(
                 _verify(entry, logits[first_row:row], outcome, jump_forward)
             else:
                 plain.append((req, row - 1, outcome))
+                if entry.num_new and start + entry.num_new == len(req.prompt_ids):
+                    outcome.prompt_logits = logits[row - 1]
         elif req.keep_last_logprobs:
             req.last_logprobs = torch.log_softmax(logits[row - 1].float().cpu(), dim=-1)
+        elif req.kind is ReqKind.PIN and entry.wants_logits:
+            outcome.prompt_logits = logits[row - 1]
     if plain:
         _sample_plain(plain, logits, jump_forward)
     return outcomes

@@ -17,9 +17,11 @@ from runtime.verify import apply_logits
 VOCAB = 97
 
 
-def fake_logits(batch: ScheduledBatch) -> torch.Tensor:
+def fake_logits(batch: ScheduledBatch) -> torch.Tensor | None:
     """The "model" predicts (input token + 1) % VOCAB: outputs depend on tokens only."""
     fwd = batch.forward
+    if fwd is None:
+        return None  # every entry samples from kept prompt logits
     nxt = (fwd.input_ids[fwd.logit_rows] + 1) % VOCAB
     return torch.nn.functional.one_hot(nxt, VOCAB).float() * 10  # (num_logit_rows, vocab)
 

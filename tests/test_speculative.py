@@ -120,10 +120,12 @@ def test_the_longest_matching_context_wins():
 
 
 # ---------------------------------------------------------------- scheduler + verify, fake model
-def fake_logits(batch: ScheduledBatch, sharp: bool = True) -> torch.Tensor:
+def fake_logits(batch: ScheduledBatch, sharp: bool = True) -> torch.Tensor | None:
     """A "model" whose next token depends on the token and its position's parity, so a
     trigram seen at another parity guesses wrong: drafts both hit and miss."""
     fwd = batch.forward
+    if fwd is None:
+        return None  # every entry samples from kept prompt logits
     tok, pos = fwd.input_ids[fwd.logit_rows], fwd.positions[fwd.logit_rows]
     nxt = (tok * 3 + 1 + (pos % 2) * (tok % 3 == 0)) % VOCAB
     logits = torch.nn.functional.one_hot(nxt, VOCAB).float()  # (rows, vocab)

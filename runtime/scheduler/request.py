@@ -98,6 +98,10 @@ class Req:
         self.match_pos: TreePosition | None = None
         self.match_version = -1
         self.spec: SpecState | None = None  # its drafting state, once it decodes (drafts.py)
+        # the next-token logits after its whole prompt, kept from an earlier request with the
+        # same prompt (prompt_logits.py): its first token is sampled from them, nothing computed
+        self.reused_logits: torch.Tensor | None = None  # (vocab,) fp32
+        self.prompt_key: bytes | None = None
 
     # ------------------------------------------------------------------ tokens
     @property
@@ -132,7 +136,10 @@ class Req:
 
     @property
     def match_limit(self) -> int:
-        """Tokens that may come from the cache: every position whose logits we need is computed."""
+        """Tokens that may come from the cache: every position whose logits we need is computed
+        (all of them when the logits after the whole prompt are reused)."""
+        if self.reused_logits is not None:
+            return self.num_tokens
         return min(self.num_tokens, self.first_logit_pos)
 
     @property

@@ -38,6 +38,7 @@ from runtime.scheduler.drafts import Drafter
 from runtime.scheduler.grammar_gate import GrammarGate
 from runtime.scheduler.kv import KVManager, future_tokens
 from runtime.scheduler.policy import SchedulePolicy
+from runtime.scheduler.prompt_logits import PromptLogits
 from runtime.scheduler.request import Req, ReqKind, ReqStatus
 
 if TYPE_CHECKING:
@@ -60,6 +61,11 @@ class BatchEntry:
     draft: tuple[int, ...] = ()  # guessed tokens fed after the real ones, to verify
 
     @property
+    def reuses_logits(self) -> bool:
+        """Nothing to compute: it samples from the logits kept after its whole prompt."""
+        return self.num_new == 0 and not self.draft
+
+    @property
     def num_logit_rows(self) -> int:
         if self.draft:
             return len(self.draft) + 1
@@ -68,8 +74,8 @@ class BatchEntry:
 
 @dataclass(frozen=True)
 class ScheduledBatch:
-    entries: list[BatchEntry]
-    forward: ForwardBatch
+    entries: list[BatchEntry]  # those that compute first (rows in order), then reused rows'
+    forward: ForwardBatch | None  # None when every entry reuses kept logits
 
 
 TIMEOUT_MESSAGE = "the request's timeout passed before it finished"
@@ -84,6 +90,8 @@ class Scheduler:
         self.running: list[Req] = []
         self.pins: dict[str, Req] = {}
         self.kv = KVManager(config, num_slots, self._queued_positions, tiers)
+        shares = isinstance(self.kv.cache, RadixCache)  # (a row is used with a whole-prompt hit)
+        self.prompt_logits = PromptLogits(config.reuse_prompt_logits if shares else 0)
         self.policy = SchedulePolicy(config.schedule_policy, self.kv.cache, config.seed)
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.counters: Counter[str] = Counter()
@@ -141,16 +149,20 @@ class Scheduler:
 
     @staticmethod
     def batch_of(entries: list[BatchEntry]) -> ScheduledBatch:
-        """The forward batch for `entries` (their slots are already allocated)."""
-        forward = ForwardBatch.build(
-            [
-                e.req.tokens(e.req.num_computed, e.req.num_computed + e.num_new) + list(e.draft)
-                for e in entries
-            ],
-            [e.req.slots[: e.req.num_computed + e.num_new + len(e.draft)] for e in entries],
-            logit_tails=[e.num_logit_rows for e in entries],
-        )
-        return ScheduledBatch(entries, forward)
+        """The forward batch for `entries` (their slots are already allocated); entries that
+        reuse kept logits compute nothing and go last."""
+        computed = [e for e in entries if not e.reuses_logits]
+        forward = None
+        if computed:
+            forward = ForwardBatch.build(
+                [
+                    e.req.tokens(e.req.num_computed, e.req.num_computed + e.num_new) + list(e.draft)
+                    for e in computed
+                ],
+                [e.req.slots[: e.req.num_computed + e.num_new + len(e.draft)] for e in computed],
+                logit_tails=[e.num_logit_rows for e in computed],
+            )
+        return ScheduledBatch(computed + [e for e in entries if e.reuses_logits], forward)
 
     def _schedule_entries(self) -> list[BatchEntry]:
         while True:
@@ -169,7 +181,7 @@ class Scheduler:
                 num_new = min(req.num_tokens - req.num_computed, budget)
                 if num_new <= 0 or not self.kv.grow(req, req.num_computed + num_new):
                     break
-                entries.append(_prefill_entry(req, num_new))
+                entries.append(_prefill_entry(req, num_new, self.prompt_logits.max_rows > 0))
                 budget -= num_new
             if budget > 0 and self.waiting and len(self.running) < self.config.max_running_requests:
                 entries += self._admit(budget)
@@ -210,6 +222,7 @@ class Scheduler:
                 break
             if not self.grammar.can_sample(req, admitting=True):
                 continue  # its first mask is not ready: it would stall the step
+            self.prompt_logits.offer(req)  # a row kept for its whole prompt: it may match it all
             position = self.policy.match(req)  # reused: admission never matches again
             if self.kv.shares_inflight(req, position.prefix_len, self.running):
                 self.counters["prefill_waits"] += 1
@@ -226,7 +239,14 @@ class Scheduler:
             del self.waiting[req.rid]
             self._start(req, position)
             available -= need
+            if req.reused_logits is not None and req.num_computed < req.num_tokens:
+                req.reused_logits = None  # the tree lost the prompt's end: compute it
             num_new = min(req.num_tokens - req.num_computed, budget)
+            if num_new == 0 and req.reused_logits is not None:
+                self.running.append(req)  # samples from the kept row; computes nothing
+                entries.append(BatchEntry(req, 0, False, False, True))
+                reserved += self._reserved_slots(req)
+                continue
             if num_new == 0:  # everything cached and no logits needed
                 self._complete(req)
                 continue
@@ -237,7 +257,7 @@ class Scheduler:
                 self.add(req)
                 break
             self.running.append(req)
-            entries.append(_prefill_entry(req, num_new))
+            entries.append(_prefill_entry(req, num_new, self.prompt_logits.max_rows > 0))
             budget -= num_new
             reserved += self._reserved_slots(req)
             if flight is not None:
@@ -341,10 +361,16 @@ class Scheduler:
             if not outcome.at_end:
                 self.kv.cache_prefix(req)  # a finished chunk: let others match it now
             elif req.kind is ReqKind.GENERATE:
-                if not entry.is_decode:
+                if entry.reuses_logits:
+                    self.prompt_logits.used(req)
+                elif not entry.is_decode:
                     self.kv.cache_prefix(req)
+                if outcome.prompt_logits is not None:
+                    self.prompt_logits.keep(req, outcome.prompt_logits)
                 self._sampled(req, outcome)
             else:
+                if outcome.prompt_logits is not None:
+                    self.prompt_logits.keep(req, outcome.prompt_logits)
                 self._complete(req)
         ratio = self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, ratio)
@@ -437,6 +463,7 @@ class Scheduler:
             "new_token_ratio": self.new_token_ratio,
             "jump_forward_tokens_total": c["jump_forward_tokens"],
             **self.grammar.stats(),
+            **self.prompt_logits.stats(),
             **(self.drafter or Drafter(1, None)).stats(),  # zeros when speculation is off
             **(self.kv.tiers.stats() if self.kv.tiers is not None else {}),
         }
@@ -446,6 +473,7 @@ class Scheduler:
         for req in self.waiting.values():
             assert req.capacity == 0 and req.lock_pos is None, f"waiting {req} holds KV"
         self.kv.check_integrity([*self.running, *self.pins.values()])
+        self.prompt_logits.check_integrity()
 
 
 class _InFlight:
@@ -484,7 +512,9 @@ def _notify(callback: Callable[[Req], None] | None, req: Req) -> None:
         traceback.print_exc(file=sys.stderr)
 
 
-def _prefill_entry(req: Req, num_new: int) -> BatchEntry:
+def _prefill_entry(req: Req, num_new: int, pin_row: bool) -> BatchEntry:
     end = req.num_computed + num_new
     wants = end > req.first_logit_pos and (end == req.num_tokens or req.logprob_start is not None)
+    if pin_row and req.kind is ReqKind.PIN and end == req.num_tokens:
+        wants = True  # the row after a pinned prefix, kept for branches that gen right there
     return BatchEntry(req, num_new, False, wants and req.logprob_start is not None, wants)
