@@ -152,8 +152,8 @@ def test_n_samples_share_one_prefill(engine):
         for i in range(4)
     ]
     results = engine.generate(samples)
-    # computed once; each other sample recomputes only the last prompt token (its logits)
-    assert engine.stats()["prefill_tokens_total"] - before == len(ids) + 3
+    # computed once: the other samples draw from the logits kept after the prompt
+    assert engine.stats()["prefill_tokens_total"] - before == len(ids)
     assert len({tuple(r.output_ids) for r in results}) > 1  # seeds differ: samples differ
     assert all(r.prompt_tokens == len(ids) for r in results)
 
@@ -287,7 +287,10 @@ def test_the_automaton_finds_what_re_finds_in_the_text_so_far(pattern, text, cut
             break
     assert found == leftmost_non_empty(text[:fed])
     if found is None:  # held back from the stream: from where a match could still begin
-        partial = regex.compile(pattern).search(text, partial=True)
+        # (laziness changes which match is found, never whether one can still begin; the
+        # regex module's partial matching misjudges lazy counted repeats: a{2,3}?b in "aa1")
+        greedy = pattern.replace("{2,3}?", "{2,3}").replace("??", "?")
+        partial = regex.compile(greedy).search(text, partial=True)
         assert matcher.search_from == (partial.start() if partial else len(text))
 
 
