@@ -16,6 +16,8 @@ by one; json_decode_regex's warm-up first, not measured) on the default model, g
                a sampled program's cache-off run sends other prompts);
   prefill on / off    prompt tokens the engine computed (its prefill_tokens_total);
   on - bound   what the cache-on run computed beyond the lower bound;
+  off - sent   what the cache-off run computed beyond the prompt tokens it sent (its own
+               requests': a sampled program sends other prompts in each run);
   hit on       the cache-on run's token hit rate (cached / (cached + computed));
   wall on / off, off/on    seconds (median of --repeats), and the speed-up of the cache;
   same outputs every variable, text and return value equal on vs off ("sampled": a gen of
@@ -101,7 +103,7 @@ def warm(engines: dict[str, Engine], specs: list[paper.Spec]) -> None:
 def row(name: str, spec: paper.Spec, runs: dict[str, list[dict]]) -> str:
     errors = [r["error"] for mode in runs for r in runs[mode] if "error" in r]
     if errors:
-        return f"| {name} | no: {errors[0][:120]} |" + " - |" * 11
+        return f"| {name} | no: {errors[0][:120]} |" + " - |" * 12
     on, off = runs["on"][0], runs["off"][0]
     report = on["report"]
     wall_on = statistics.median(r["wall"] for r in runs["on"])
@@ -117,7 +119,8 @@ def row(name: str, spec: paper.Spec, runs: dict[str, list[dict]]) -> str:
         f"| {name} | yes{pins} | {report['requests']:,} | {report['prompt_tokens']:,} | "
         f"{report['lower_bound']:,} | {on['prefill_tokens_total']:,} | "
         f"{off['prefill_tokens_total']:,} | {on['prefill_tokens_total'] - report['lower_bound']:+,}"
-        f" | {hit:.1%} | {wall_on:.1f} | {wall_off:.1f} | {wall_off / wall_on:.2f}x | {same} |"
+        f" | {off['prefill_tokens_total'] - off['report']['prompt_tokens']:+,} | {hit:.1%}"
+        f" | {wall_on:.1f} | {wall_off:.1f} | {wall_off / wall_on:.2f}x | {same} |"
     )
 
 
@@ -162,9 +165,10 @@ def main() -> None:
         )
         print(
             "| program (instances) | unchanged | requests | sent | lower bound | prefill on | "
-            "prefill off | on - bound | hit on | wall on s | wall off s | off/on | same outputs |"
+            "prefill off | on - bound | off - sent | hit on | wall on s | wall off s | off/on | "
+            "same outputs |"
         )
-        print("| --- | --- |" + " ---: |" * 10 + " --- |", flush=True)
+        print("| --- | --- |" + " ---: |" * 11 + " --- |", flush=True)
         for name, spec in zip(names, specs, strict=True):
             num = args.num or BENCH_NUM[name]
             runs: dict[str, list[dict]] = {"on": [], "off": []}
