@@ -107,7 +107,11 @@ class EngineConfig(BaseModel):
         "guesses in one forward pass; off: one token per step (docs/speculative.md)",
     )
     spec_max_draft_tokens: int = Field(
-        8, ge=1, le=64, description="most tokens one request guesses per step"
+        8,
+        ge=1,
+        le=15,
+        description="most tokens one request guesses per step (with its real token, the 16 "
+        "rows the native kernels verify exactly as single decodes)",
     )
     reuse_prompt_logits: int = Field(
         32,

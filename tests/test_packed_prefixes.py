@@ -149,9 +149,11 @@ def test_fused_decode_merge_attends_prefix_and_suffix(
     indptr = torch.zeros(members + 1, dtype=torch.int64)
     indptr[1:] = lengths.cumsum(0)
     out = torch.full_like(q, 7.0)
+    single = torch.arange(members + 1)
     kernels.paged_decode_merge(
-        q, pool_k, pool_v, torch.cat(suffixes), indptr, rows, prefix_out, prefix_lse, scale, out
-    )
+        q, pool_k, pool_v, torch.cat(suffixes), indptr, single, rows, prefix_out, prefix_lse,
+        scale, out,
+    )  # fmt: skip
     keys = [torch.cat([prefix, s]) for s in suffixes]
     want = reference(q[rows], [pool_k[k] for k in keys], [pool_v[k] for k in keys], scale)
     err = (out[rows].double() - want).abs().max().item()
@@ -166,19 +168,89 @@ def test_fused_decode_merge_refuses_mismatched_inputs():
     q = torch.zeros(4, 6, 64)
     pool = torch.zeros(100, 2, 64)
     prefix_out, prefix_lse = torch.zeros(2, 6, 64), torch.zeros(2, 6)
-    indptr = torch.tensor([0, 3, 5])
+    indptr, qo = torch.tensor([0, 3, 5]), torch.tensor([0, 1, 2])
     with pytest.raises(RuntimeError, match="row 4 outside q's 4 rows"):
         kernels.paged_decode_merge(
-            q, pool, pool, torch.arange(5), indptr, torch.tensor([0, 4]), prefix_out,
+            q, pool, pool, torch.arange(5), indptr, qo, torch.tensor([0, 4]), prefix_out,
             prefix_lse, 0.1, torch.empty_like(q),
         )  # fmt: skip
     with pytest.raises(RuntimeError, match="prefix_out \\(rows, H, D\\)"):
         kernels.paged_decode_merge(
-            q, pool, pool, torch.arange(5), indptr, torch.tensor([0, 1]), prefix_out[:1],
+            q, pool, pool, torch.arange(5), indptr, qo, torch.tensor([0, 1]), prefix_out[:1],
             prefix_lse, 0.1, torch.empty_like(q),
         )  # fmt: skip
     with pytest.raises(RuntimeError, match="share a dtype"):
         kernels.paged_decode_merge(
-            q, pool, pool, torch.arange(5), indptr, torch.tensor([0, 1]), prefix_out,
+            q, pool, pool, torch.arange(5), indptr, qo, torch.tensor([0, 1]), prefix_out,
             prefix_lse, 0.1, torch.empty_like(q).bfloat16(),
         )  # fmt: skip
+    with pytest.raises(RuntimeError, match="sequence 0's rows must be consecutive"):
+        kernels.paged_decode_merge(
+            q, pool, pool, torch.arange(5), torch.tensor([0, 5]), torch.tensor([0, 2]),
+            torch.tensor([0, 2]), prefix_out, prefix_lse, 0.1, torch.empty_like(q),
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="sequence 0 has 17 rows; 1 to 16 expected"):
+        q17, out17 = torch.zeros(17, 6, 64), torch.zeros(17, 6, 64)
+        kernels.paged_decode_merge(
+            q17, pool, pool, torch.arange(20), torch.tensor([0, 20]), torch.tensor([0, 17]),
+            torch.arange(17), torch.zeros(17, 6, 64), torch.zeros(17, 6), 0.1, out17,
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="rows are the last of its keys, but it has 1"):
+        kernels.paged_decode_merge(
+            q, pool, pool, torch.arange(1), torch.tensor([0, 1]), torch.tensor([0, 2]),
+            torch.tensor([0, 1]), prefix_out, prefix_lse, 0.1, torch.empty_like(q),
+        )  # fmt: skip
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows_per_member=st.lists(st.integers(1, 16), min_size=1, max_size=6),
+    prefix_len=st.integers(1, 300),
+    group=st.sampled_from([1, 3, 4]),
+    head_dim=st.sampled_from([64, 128]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_decode_merge_verifies_a_draft_as_single_decodes_would(
+    rows_per_member, prefix_len, group, head_dim, dtype, seed
+):
+    """Each member's n rows (a verified draft: the last n of its own keys, causal among them)
+    in one call give bit for bit what n single-row calls over the growing suffix give: in a
+    cascade too, a draft's rows round as the plain decodes they replace."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, pool_slots = 2, 8192
+    heads = group * kv_heads
+    pool_k, pool_v = torch.randn(2, pool_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(pool_slots, generator=gen)
+    prefix, free = order[:prefix_len], order[prefix_len:]
+    counts = torch.tensor(rows_per_member)
+    lengths = counts + torch.randint(0, 200, counts.shape, generator=gen)
+    suffixes = list(torch.split(free[: int(lengths.sum())], lengths.tolist()))
+    num_rows = int(counts.sum())
+    q = torch.randn(num_rows + 3, heads, head_dim, generator=gen).to(dtype)
+    rows = torch.arange(2, 2 + num_rows)  # consecutive per member, after two other rows
+    kernels = load_cpu_kernels()
+    scale = head_dim**-0.5
+    k_packed, v_packed = kernels.flash_pack(pool_k, pool_v, prefix)
+    prefix_out, prefix_lse = kernels.flash_attention_packed(
+        q, rows, k_packed, v_packed, prefix_len, scale, False
+    )
+    kv_indptr, qo_indptr = torch.zeros(2, counts.numel() + 1, dtype=torch.int64)
+    kv_indptr[1:], qo_indptr[1:] = lengths.cumsum(0), counts.cumsum(0)
+    out = torch.full_like(q, 7.0)
+    kernels.paged_decode_merge(
+        q, pool_k, pool_v, torch.cat(suffixes), kv_indptr, qo_indptr, rows, prefix_out,
+        prefix_lse, scale, out,
+    )  # fmt: skip
+    for b, (n, suffix) in enumerate(zip(rows_per_member, suffixes, strict=True)):
+        for r in range(n):
+            i = int(qo_indptr[b]) + r
+            visible = suffix[: suffix.numel() - n + r + 1]
+            one = torch.full_like(q, 7.0)
+            kernels.paged_decode_merge(
+                q, pool_k, pool_v, visible, torch.tensor([0, visible.numel()]),
+                torch.tensor([0, 1]), rows[i : i + 1], prefix_out[i : i + 1],
+                prefix_lse[i : i + 1], scale, one,
+            )  # fmt: skip
+            assert torch.equal(out[rows[i]], one[rows[i]]), (b, r)
+    assert (out[:2] == 7.0).all() and (out[2 + num_rows :] == 7.0).all()

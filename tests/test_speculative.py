@@ -19,6 +19,7 @@ from runtime.cache.token_index import TokenIndex
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.generation import GenerationState
+from runtime.model.batch import ForwardBatch
 from runtime.protocol import Constraint, GenerateRequest, GraphHints, SamplingParams
 from runtime.scheduler.request import Req, ReqKind
 from runtime.scheduler.scheduler import ScheduledBatch, Scheduler
@@ -435,3 +436,70 @@ def test_step_costs_decide_how_long_a_draft_pays():
     assert costs.worth(8, 0.55, 8) == 1  # 0.55 > 0.36 > 0.55^2
     assert costs.worth(8, 0.3, 8) == 0
     assert costs.fit(4) is None and costs.worth(4, 0.3, 6) == 6
+
+
+@pytest.fixture(scope="module")
+def head_dim_64_model_dir(tmp_path_factory, default_model_path):
+    """SmolLM2's attention shape (head_dim 64, 3 query heads per KV head): the shape the
+    native flash kernel, packed prefixes and the fused cascade decode take."""
+    from conftest import save_tiny_model
+
+    shape = dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1, head_dim=64)
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama-64"), default_model_path, **shape)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("members,draft_rows", [(2, 5), (4, 9), (6, 9), (3, 16)])
+def test_a_verifying_pass_computes_what_plain_decodes_compute(
+    head_dim_64_model_dir, dtype, members, draft_rows
+):
+    """Sequences behind a shared cached prefix (a cascade, its prefix packed) verify drafts of
+    `draft_rows` tokens in one pass: every row's logits equal, bit for bit, what the same tokens
+    give fed one decode step at a time. The cascade's fused decode takes the draft's rows, and
+    a verifying pass keeps the decode GEMM past its usual row limit (6 x 9 = 54 rows, over
+    bf16's 32), so a guess changes no rounding, in bf16 too."""
+    from runtime.model.native.kernels import native_flash_supported
+    from runtime.model.runner import ModelRunner
+
+    if not native_flash_supported():
+        pytest.skip("this CPU lacks AVX-512 BF16: no packed prefixes, no fused decode")
+    runner = ModelRunner.from_checkpoint(
+        head_dim_64_model_dir, 4096, dtype=dtype, attention_backend="cpu"
+    )
+    gen = torch.Generator().manual_seed(members * 100 + draft_rows)
+    prefix = torch.randint(3, 49152, (100,), generator=gen).tolist()
+    suffixes = [
+        torch.randint(3, 49152, (7 * b + 3,), generator=gen).tolist() for b in range(members)
+    ]
+    drafts = [torch.randint(3, 49152, (draft_rows,), generator=gen).tolist() for _ in suffixes]
+    free = iter(range(4096))
+    prefix_slots = torch.tensor([next(free) for _ in prefix])
+    cached = [torch.cat([prefix_slots, torch.tensor([next(free) for _ in s])]) for s in suffixes]
+    runner.forward(ForwardBatch.build([prefix], [prefix_slots]))
+    runner.forward(ForwardBatch.build(suffixes, cached))
+
+    def new_slots():
+        return [torch.tensor([next(free) for _ in range(draft_rows)]) for _ in range(members)]
+
+    attention = runner.attention
+    fused_before = attention.fused_decode_passes
+    verify_slots = new_slots()
+    verified = runner.forward(
+        ForwardBatch.build(
+            drafts,
+            [torch.cat([c, s]) for c, s in zip(cached, verify_slots, strict=True)],
+            logit_tails=[draft_rows] * members,
+        )
+    ).view(members, draft_rows, -1)
+    assert attention.fused_decode_passes == fused_before + 1  # the draft took the fused path
+    plain_slots = new_slots()
+    for r in range(draft_rows):
+        step = runner.forward(
+            ForwardBatch.build(
+                [[d[r]] for d in drafts],
+                [torch.cat([c, s[: r + 1]]) for c, s in zip(cached, plain_slots, strict=True)],
+            )
+        )
+        for b in range(members):
+            assert torch.equal(verified[b, r], step[b]), (b, r)
+    assert attention.fused_decode_passes == fused_before + 1 + draft_rows

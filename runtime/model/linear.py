@@ -6,10 +6,19 @@ summation order (~1e-6 relative in fp32). Decode batches (up to PANEL_MAX_ROWS t
 go through the native panel GEMM (csrc/panel_gemm.cpp), which streams weights packed in
 48-feature panels: 1.1-1.4x oneDNN's speed at 5-64 rows in fp32 and 5-32 in bf16, and 1.3-1.9x
 at 1-4 rows. Such a Linear keeps both copies. Elsewhere, `F.linear`.
+
+A forward that verifies drafts (every sequence at most DECODE_MAX_ROWS new tokens, some more
+than one) takes the panel GEMM up to DECODE_PANEL_MAX_ROWS rows in either dtype
+(`decode_shaped`): a row's sums then run in the order its plain decode's do, so a verified draft
+rounds as the decodes it replaces (in bf16 oneDNN's order moves a few elements in 10^4-10^5).
+Plain decode batches keep PANEL_MAX_ROWS, where each GEMM was measured fastest.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -28,6 +37,25 @@ def packed_gemm_available(device: torch.device) -> bool:
 # Forwards of at most this many tokens go through the panel GEMM: above them oneDNN's is as
 # fast or faster (examples/benchmarks/RESULTS.md, "the panel GEMM").
 PANEL_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 32}
+# a verifying forward: sequences of at most DECODE_MAX_ROWS new tokens (a draft of up to 15 and
+# its real token: the paged kernel's single-decode shape), at most this many rows in all (16
+# speculating requests); in bf16 the panel can be ~8% slower than oneDNN there
+DECODE_MAX_ROWS = 16
+DECODE_PANEL_MAX_ROWS = 256
+_decode_panel_rows: ContextVar[int] = ContextVar("decode_panel_rows", default=0)
+
+
+@contextmanager
+def decode_shaped(extend_lens: tuple[int, ...]) -> Iterator[None]:
+    """Within it, a forward of these per-sequence new-token counts: when every one is at most
+    DECODE_MAX_ROWS and some are more than 1 (drafts verified, jump-forward), the panel GEMM
+    takes up to DECODE_PANEL_MAX_ROWS rows."""
+    decodes = bool(extend_lens) and 1 < max(extend_lens) <= DECODE_MAX_ROWS
+    token = _decode_panel_rows.set(DECODE_PANEL_MAX_ROWS if decodes else 0)
+    try:
+        yield
+    finally:
+        _decode_panel_rows.reset(token)
 
 
 def native_panel_gemm(weight: torch.Tensor) -> Any | None:
@@ -58,7 +86,8 @@ class Linear:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 8) if pack else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if 0 < x.shape[0] <= self._panel_rows:
+        rows = x.shape[0]
+        if self._native is not None and 0 < rows <= max(self._panel_rows, _decode_panel_rows.get()):
             return self._native.panel_gemm(x, self.panels, self.bias, self.out_features)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")

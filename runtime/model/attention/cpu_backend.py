@@ -6,9 +6,10 @@ with prefetch for scattered slots, and handles a few new tokens per sequence too
 scoring tails). Sequences that share a long cached prefix are attended as a cascade
 (runtime/model/attention/cascade.py): the prefix once for all of them in one flash call, each
 suffix alone. A prefix several sequences share is packed for the flash kernel once and kept
-across steps (packed_prefixes.py); when every member is a single-row decode, the prefix and
-the suffixes run as two native calls that read q's rows and write out's rows in place (no
-gathers, scatters or separate merge). Long extends with no shared prefix stay with SDPA.
+across steps (packed_prefixes.py); when every member is a decode (one row, or a verified
+draft's few), the prefix and the suffixes run as two native calls that read q's rows and write
+out's rows in place (no gathers, scatters or separate merge), and each row gets bit for bit
+what a single-row decode gets. Long extends with no shared prefix stay with SDPA.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from runtime.model.attention.torch_backend import SeqSpan, TorchAttention
 
 # packed shared prefixes kept across steps; W1's two (2k and 512 tokens) take ~60 MB in bf16
 PACKED_PREFIX_BYTES = 256 << 20
+# a sequence's new rows the fused cascade decode takes (the native kernel's kMaxDecodeRows):
+# a verified draft's rows then round as its plain decodes' do (bf16 greedy stays identical)
+MAX_FUSED_ROWS = 16
 
 
 @dataclass
@@ -66,8 +70,8 @@ class _Cascade:
     short: PagedDecodes | None  # members with few new tokens; rows local to `rows`
     long: list[_LongSuffix]
     packed: PackedPrefix | None  # the prefix packed for flash, kept across steps
-    # every member a single-row decode: the prefix, each suffix and their merge run as two
-    # native calls that read q's rows and write out's rows in place
+    # every member a decode of at most MAX_FUSED_ROWS rows: the prefix, each suffix and their
+    # merge run as two native calls that read q's rows and write out's rows in place
     fused_decode: bool
 
 
@@ -172,7 +176,11 @@ class CpuPagedAttention(TorchAttention):
         packed = None
         if self.packed_prefixes is not None and len(prefix.members) > 1:
             packed = self.packed_prefixes.get(prefix.slots)
-        fused = packed is not None and not long and len(short_rows) == len(prefix.members)
+        fused = (
+            packed is not None
+            and not long
+            and all(seqs[i].num_new <= MAX_FUSED_ROWS for i in prefix.members)
+        )
         return _Cascade(prefix, torch.tensor(rows), short, long, packed, fused)
 
     def attend_into(
@@ -208,8 +216,9 @@ class CpuPagedAttention(TorchAttention):
     def _attend_decodes_fused(
         self, layer: int, cascade: _Cascade, q: torch.Tensor, out: torch.Tensor
     ) -> None:
-        """Single-row decodes behind a packed prefix: q (num_tokens, heads, d) -> their rows
-        of out, the prefix half and each suffix merged inside the paged kernel."""
+        """Decodes (one row or a draft's few each) behind a packed prefix: q (num_tokens,
+        heads, d) -> their rows of out, the prefix half and each suffix merged inside the paged
+        kernel, in fp32 from the unrounded suffix result."""
         scale = q.shape[-1] ** -0.5
         out_prefix, lse_prefix = self._packed_prefix_attention(layer, cascade, q, scale)
         short = cascade.short
@@ -219,6 +228,7 @@ class CpuPagedAttention(TorchAttention):
             self.pool.v[layer],
             short.slots,
             short.indptr,
+            short.qo_indptr,
             cascade.rows,
             out_prefix,
             lse_prefix,

@@ -128,8 +128,9 @@ def load_cpu_kernels() -> Any:
     with its two halves `flash_pack(k_pool, v_pool, slots)` (keys gathered by slot and packed
     for it) and `flash_attention_packed(q, q_rows, k_packed, v_packed, length, scale, causal)`
     (the query rows q_rows of q), `paged_decode_merge(q, k_pool, v_pool, slots, kv_indptr,
-    rows, prefix_out, prefix_lse, scale, out)` (single-row decodes merged with a prefix's
-    attention, written into out's rows), `merge_attention(out_a, lse_a, out_b, lse_b)`, and
+    qo_indptr, rows, prefix_out, prefix_lse, scale, out)` (decodes of up to 16 rows each,
+    merged with a prefix's attention, written into out's rows),
+    `merge_attention(out_a, lse_a, out_b, lse_b)`, and
     `rms_norm(x, weight, eps)`, `add_rms_norm(x, residual, weight, eps)`,
     `rope(x, cos, sin)`, `silu_and_mul(gate_up)`, and `panel_gemm(x, panels, bias, n_out)`
     over `panel_pack(w)`'s panels where `panel_gemm_supported()`, and

@@ -18,6 +18,9 @@ namespace {
 template <typename scalar_t>
 inline float to_float(scalar_t x) { return static_cast<float>(x); }
 
+// New rows of one sequence the vectorized decode takes (a draft + 1).
+constexpr int64_t kMaxDecodeRows = 16;
+
 // Slots are scattered after eviction churn: fetch rows a few steps ahead of use.
 constexpr int64_t kPrefetch = 6;
 
@@ -34,7 +37,6 @@ inline void prefetch_row(const scalar_t* ptr, int64_t n) {
 // accumulates in registers; out gets the heads' fp32 results, for the caller to round or merge.
 // Sequences with several new rows, windows or soft-capping take the general kernel below.
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head this path handles
-constexpr int64_t kMaxDecodeRows = 16;  // new rows of one sequence it takes (a draft + 1)
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
@@ -452,38 +454,48 @@ void attention_kernel(
 }
 
 #if defined(__AVX512F__)
-// Single-row decodes that share a prefix attended elsewhere (a cascade): sequence b's query is
-// q's row rows[b]; its own keys are slots[kv_indptr[b]:kv_indptr[b+1]]; its attention over the
-// prefix (prefix_out[b], prefix_lse[b]) is merged in by log-sum-exp, in fp32 from the unrounded
-// suffix result, and written to out's row rows[b]. The merge weighs as merge_attention does.
+// Decodes that share a prefix attended elsewhere (a cascade), each of a few rows (a verified
+// draft: causal among them): sequence b's queries are q's consecutive rows rows[qo_indptr[b]]..,
+// its own keys slots[kv_indptr[b]:kv_indptr[b+1]], its rows the last of them. Each row's
+// attention over the prefix (prefix_out[i], prefix_lse[i], i its index in rows) is merged in by
+// log-sum-exp, in fp32 from the unrounded suffix result, and written to out's row rows[i]. A row
+// gets bit for bit what it gets as a single-row decode (decode_heads: the same operations per
+// row); the merge weighs as merge_attention does.
 template <typename scalar_t>
 void decode_merge_kernel(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_pool,
-                         const int64_t* slots, const int64_t* kv_indptr, const int64_t* rows,
-                         const scalar_t* prefix_out, const float* prefix_lse, scalar_t* out,
-                         int64_t B, int64_t H, int64_t KVH, int64_t D, float scale) {
+                         const int64_t* slots, const int64_t* kv_indptr, const int64_t* qo_indptr,
+                         const int64_t* rows, const scalar_t* prefix_out, const float* prefix_lse,
+                         scalar_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D, float scale) {
   const int64_t G = H / KVH;
   const int64_t parts = B < 4 * at::get_num_threads() ? KVH : 1;
   at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc, scores, qf, head_out(H * D), head_lse(H);
+    std::vector<float> acc, scores, qf, head_out, head_lse;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / parts, part = task % parts;
       const int64_t hk0 = parts == 1 ? 0 : part, hk1 = parts == 1 ? KVH : part + 1;
       const int64_t L = kv_indptr[b + 1] - kv_indptr[b];
+      const int64_t i0 = qo_indptr[b], n = qo_indptr[b + 1] - i0;
       const int64_t h0 = hk0 * G, h1 = hk1 * G;
+      head_out.resize(n * H * D);
+      head_lse.resize(n * H);
       if (L > 0)
-        decode_heads(q + rows[b] * H * D, k_pool, v_pool, slots + kv_indptr[b], L, 1,
+        decode_heads(q + rows[i0] * H * D, k_pool, v_pool, slots + kv_indptr[b], L, n,
                      head_out.data(), head_lse.data(), H, KVH, D, scale, scores, acc, qf, hk0,
                      hk1);
-      for (int64_t h = h0; h < h1; ++h) {
-        const float lse_a = prefix_lse[b * H + h], lse_b = L > 0 ? head_lse[h] : -INFINITY;
-        const float top = std::max(lse_a, lse_b);
-        const float wa = std::exp(lse_a - top), wb = L > 0 ? std::exp(lse_b - top) : 0.f;
-        const float inv = 1.f / (wa + wb);
-        const scalar_t* a = prefix_out + (b * H + h) * D;
-        const float* o_b = head_out.data() + h * D;
-        scalar_t* o = out + (rows[b] * H + h) * D;
-        for (int64_t d = 0; d < D; ++d)
-          o[d] = static_cast<scalar_t>(static_cast<float>(a[d]) * (wa * inv) + o_b[d] * (wb * inv));
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t i = i0 + r;
+        for (int64_t h = h0; h < h1; ++h) {
+          const float lse_a = prefix_lse[i * H + h];
+          const float lse_b = L > 0 ? head_lse[r * H + h] : -INFINITY;
+          const float top = std::max(lse_a, lse_b);
+          const float wa = std::exp(lse_a - top), wb = L > 0 ? std::exp(lse_b - top) : 0.f;
+          const float inv = 1.f / (wa + wb);
+          const scalar_t* a = prefix_out + (i * H + h) * D;
+          const float* o_b = head_out.data() + (r * H + h) * D;
+          scalar_t* o = out + (rows[i] * H + h) * D;
+          for (int64_t d = 0; d < D; ++d)
+            o[d] = static_cast<scalar_t>(static_cast<float>(a[d]) * (wa * inv) + o_b[d] * (wb * inv));
+        }
       }
     }
   });
@@ -494,32 +506,44 @@ void decode_merge_kernel(const scalar_t* q, const scalar_t* k_pool, const scalar
 
 void paged_decode_merge(const at::Tensor& q, const at::Tensor& k_pool,
                         const at::Tensor& v_pool, const at::Tensor& slots,
-                        const at::Tensor& kv_indptr, const at::Tensor& rows,
-                        const at::Tensor& prefix_out, const at::Tensor& prefix_lse,
-                        double scale, at::Tensor out) {
+                        const at::Tensor& kv_indptr, const at::Tensor& qo_indptr,
+                        const at::Tensor& rows, const at::Tensor& prefix_out,
+                        const at::Tensor& prefix_lse, double scale, at::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(),
               "q (T,H,D) and pools (S,KVH,D) expected");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
-                  out.is_contiguous() && prefix_out.is_contiguous() && prefix_lse.is_contiguous(),
+                  out.is_contiguous() && prefix_out.is_contiguous() && prefix_lse.is_contiguous() &&
+                  kv_indptr.is_contiguous() && qo_indptr.is_contiguous() && rows.is_contiguous(),
               "contiguous tensors expected");
   TORCH_CHECK(slots.scalar_type() == at::kLong && kv_indptr.scalar_type() == at::kLong &&
-                  rows.scalar_type() == at::kLong,
-              "int64 slots, indptr and rows expected");
+                  qo_indptr.scalar_type() == at::kLong && rows.scalar_type() == at::kLong,
+              "int64 slots, indptrs and rows expected");
   const auto dtype = q.scalar_type();
   TORCH_CHECK(k_pool.scalar_type() == dtype && out.scalar_type() == dtype &&
                   prefix_out.scalar_type() == dtype && prefix_lse.scalar_type() == at::kFloat,
               "q, pools, prefix_out and out share a dtype; prefix_lse is fp32");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_pool.size(1);
-  const int64_t B = rows.numel();
+  const int64_t B = kv_indptr.numel() - 1, R = rows.numel();
   TORCH_CHECK(H % KVH == 0 && k_pool.size(2) == D, "head shapes disagree");
-  TORCH_CHECK(kv_indptr.numel() == B + 1, "kv_indptr needs one entry per row, plus one");
-  TORCH_CHECK(prefix_out.dim() == 3 && prefix_out.size(0) == B && prefix_out.size(1) == H &&
-                  prefix_out.size(2) == D && prefix_lse.numel() == B * H,
+  TORCH_CHECK(B >= 0 && qo_indptr.numel() == B + 1, "qo_indptr and kv_indptr disagree");
+  TORCH_CHECK(prefix_out.dim() == 3 && prefix_out.size(0) == R && prefix_out.size(1) == H &&
+                  prefix_out.size(2) == D && prefix_lse.numel() == R * H,
               "prefix_out (rows, H, D) and prefix_lse (rows, H) expected");
   TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
   const int64_t* r = rows.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(r[b] >= 0 && r[b] < T, "row ", r[b], " outside q's ", T, " rows");
+  const int64_t* qo = qo_indptr.data_ptr<int64_t>();
+  const int64_t* kv = kv_indptr.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i)
+    TORCH_CHECK(r[i] >= 0 && r[i] < T, "row ", r[i], " outside q's ", T, " rows");
+  TORCH_CHECK(B == 0 || (qo[0] == 0 && qo[B] == R), "qo_indptr must run from 0 to the ", R, " rows");
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = qo[b + 1] - qo[b], L = kv[b + 1] - kv[b];
+    TORCH_CHECK(n >= 1 && n <= kMaxDecodeRows, "sequence ", b, " has ", n,
+                " rows; 1 to ", kMaxDecodeRows, " expected");
+    TORCH_CHECK(L == 0 || L >= n, "sequence ", b, "'s ", n, " rows are the last of its keys, but it has ", L);
+    for (int64_t i = qo[b] + 1; i < qo[b + 1]; ++i)
+      TORCH_CHECK(r[i] == r[i - 1] + 1, "sequence ", b, "'s rows must be consecutive rows of q");
+  }
 #if defined(__AVX512F__)
   TORCH_CHECK(vector_decode(D, H / KVH), "head_dim ", D, " and ", H / KVH,
               " heads per KV head: no vectorized decode for this shape");
@@ -528,9 +552,8 @@ void paged_decode_merge(const at::Tensor& q, const at::Tensor& k_pool,
       TORCH_CHECK(false, "fp64 has no vectorized decode");
     } else {
       decode_merge_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(),
-                                    v_pool.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
-                                    kv_indptr.data_ptr<int64_t>(), r,
-                                    prefix_out.data_ptr<scalar_t>(), prefix_lse.data_ptr<float>(),
+                                    v_pool.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), kv, qo,
+                                    r, prefix_out.data_ptr<scalar_t>(), prefix_lse.data_ptr<float>(),
                                     out.data_ptr<scalar_t>(), B, H, KVH, D,
                                     static_cast<float>(scale));
     }
@@ -574,8 +597,8 @@ TORCH_LIBRARY(flowlang, m) {
         "Tensor kv_indptr, Tensor qo_indptr, float scale, int window, float softcap) -> "
         "(Tensor, Tensor)");
   m.def("paged_decode_merge(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, "
-        "Tensor kv_indptr, Tensor rows, Tensor prefix_out, Tensor prefix_lse, float scale, "
-        "Tensor(a!) out) -> ()");
+        "Tensor kv_indptr, Tensor qo_indptr, Tensor rows, Tensor prefix_out, Tensor prefix_lse, "
+        "float scale, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flowlang, CPU, m) {
