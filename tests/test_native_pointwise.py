@@ -51,6 +51,12 @@ def test_flashinfer_norms_only_for_half_precision(monkeypatch):
     assert type(pointwise_ops(cuda, False, "silu", torch.float32)) is TorchOps
 
 
+def rounding_flips_are_rare(differs: torch.Tensor) -> bool:
+    """Under 1% of the elements, and one at most in a tensor of fewer than 100: a flip is a
+    chance event (a sum on a rounding midpoint), so one in 16 elements is not a wrong kernel."""
+    return int(differs.sum()) <= max(1, differs.numel() // 100)
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     tokens=st.integers(1, 70),
@@ -78,7 +84,7 @@ def test_native_norms_match_the_reference(native, tokens, hidden, dtype, scale, 
             assert (diff <= 1e-5 * want.float().abs().clamp_min(1e-3)).all()
         else:  # a bf16 step or two (2^-8..2^-7 each) where the fp32 sums round differently
             assert (diff <= 2**-6 * want.float().abs() + 1e-30).all()
-            assert (got != want).float().mean().item() < 0.01
+            assert rounding_flips_are_rare(got != want)
 
 
 def test_bad_input_names_the_problem(native):
@@ -99,7 +105,7 @@ def assert_close_in_dtype(got: torch.Tensor, want: torch.Tensor) -> None:
         assert (diff <= 2**-6 * want.float().abs() + 1e-30).all()
         # values under 1e-30 (silu of a very negative gate) may underflow to 0 in the native
         # exponential: within the absolute floor above, and not a rounding flip
-        assert ((got != want) & (diff > 1e-30)).float().mean().item() < 0.01
+        assert rounding_flips_are_rare((got != want) & (diff > 1e-30))
 
 
 @settings(max_examples=30, deadline=None)
