@@ -1,6 +1,6 @@
 """The native CPU attention kernels against the torch paths they replace, at W1's shapes.
 
-    python examples/benchmarks/kernel_bench.py [--repeats 5] [--dtypes float32 bfloat16]
+    python examples/benchmarks/kernel_bench.py [--repeats 5] [--dtypes float32 bfloat16] [--gemm]
 
 SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64), both torch threads:
 - flash, shared prefix: n query rows over a 2,048-token prefix, no mask (cascade attention);
@@ -8,6 +8,9 @@ SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64), both t
 - paged decode: 64 sequences, one new token each over 2,048 cached tokens at scattered slots
   (native kernel in place vs gather + SDPA, the torch reference path).
 Prints medians (ms) and GFLOP/s (4 * rows * keys * heads * head_dim; causal counts half).
+With --gemm, the panel GEMM against oneDNN instead, on SmolLM2's four projections (576 -> 1728
+qkv-sized, 576 -> 3072 gate_up, 1536 -> 576 down, 576 -> 576 o) at 16-256 rows: the rows a
+verifying pass keeps on the panel GEMM (runtime/model/linear.py).
 """
 
 from __future__ import annotations
@@ -80,13 +83,49 @@ def decode_row(kernels, dtype: torch.dtype, repeats: int) -> tuple:
     return label, median_ms(reference, repeats), median_ms(native, repeats), flops
 
 
+GEMM_SHAPES = ((576, 1728), (576, 3072), (1536, 576), (576, 576))  # (in, out)
+
+
+def gemm_table(kernels, dtype: torch.dtype, repeats: int) -> None:
+    """Both GEMMs over the four projections in turn, medians interleaved per row count."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(n, k, generator=gen) * 0.05).to(dtype) for k, n in GEMM_SHAPES]
+    packed = [
+        (kernels.panel_pack(w), torch.ops.mkldnn._reorder_linear_weight(w, 8), w.shape[0])
+        for w in weights
+    ]
+    for rows in (16, 32, 48, 64, 96, 128, 192, 256):
+        xs = [torch.randn(rows, k, generator=gen).to(dtype) for k, _ in GEMM_SHAPES]
+
+        def panel(xs=xs):
+            for x, (panels, _, n) in zip(xs, packed, strict=True):
+                kernels.panel_gemm(x, panels, None, n)
+
+        def onednn(xs=xs):
+            for x, (_, w, _) in zip(xs, packed, strict=True):
+                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+        panel_ms, onednn_ms = median_ms(panel, repeats), median_ms(onednn, repeats)
+        print(
+            f"| {rows} | {str(dtype).removeprefix('torch.')} | {onednn_ms:.2f} | {panel_ms:.2f} "
+            f"| {panel_ms / onednn_ms:.2f}x |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--gemm", action="store_true", help="panel GEMM vs oneDNN instead")
     args = parser.parse_args()
     kernels = load_cpu_kernels()
     print(f"torch threads: {torch.get_num_threads()}, medians of {args.repeats}\n")
+    if args.gemm:
+        print("| rows | dtype | oneDNN ms | panel ms | panel / oneDNN |")
+        print("| ---: | --- | ---: | ---: | ---: |")
+        for name in args.dtypes:
+            gemm_table(kernels, getattr(torch, name), args.repeats)
+        return
     print("| kernel | dtype | torch ms | native ms | torch GFLOP/s | native GFLOP/s | speed-up |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for name in args.dtypes:
