@@ -216,6 +216,14 @@ def tiny_model_dir(tmp_path_factory, default_model_path):
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), default_model_path)
 
 
+@pytest.fixture(scope="session")
+def head_dim_64_model_dir(tmp_path_factory, default_model_path):
+    """SmolLM2's attention shape (head_dim 64, 3 query heads per KV head): the shape the native
+    flash kernel, packed prefixes and the fused cascade decode take."""
+    shape = dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1, head_dim=64)
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama-64"), default_model_path, **shape)
+
+
 class ServerThread:
     """`flowlang serve` in a background thread on a free loopback port; `wrap`, if given,
     wraps the ASGI app (to record what goes over the wire)."""

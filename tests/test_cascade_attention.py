@@ -175,17 +175,6 @@ def test_engine_outputs_identical_with_cascades(tiny_model_dir):
     assert two_rounds(tiny_model_dir, "cpu", check) == two_rounds(tiny_model_dir, "torch")
 
 
-@pytest.fixture(scope="module")
-def head_dim_64_model_dir(tmp_path_factory, default_model_path):
-    """SmolLM2's attention shape (head_dim 64, 3 query heads per KV head): the shape the
-    native flash kernel and the fused decode take."""
-    from tests.conftest import save_tiny_model
-
-    folder = tmp_path_factory.mktemp("tiny-llama-64")
-    shape = dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1, head_dim=64)
-    return save_tiny_model(folder, default_model_path, **shape)
-
-
 @pytest.mark.skipif(not native_flash_supported(), reason="this CPU lacks AVX-512 BF16")
 def test_engine_outputs_identical_with_packed_prefixes_and_fused_decodes(head_dim_64_model_dir):
     """At head_dim 64, fp32: cascades pack their shared prefix once per layer and reuse it

@@ -165,41 +165,42 @@ def test_fused_decode_merge_attends_prefix_and_suffix(
 
 def test_fused_decode_merge_refuses_mismatched_inputs():
     kernels = load_cpu_kernels()
-    q = torch.zeros(4, 6, 64)
+    q, q17 = torch.zeros(4, 6, 64), torch.zeros(17, 6, 64)
     pool = torch.zeros(100, 2, 64)
     prefix_out, prefix_lse = torch.zeros(2, 6, 64), torch.zeros(2, 6)
-    indptr, qo = torch.tensor([0, 3, 5]), torch.tensor([0, 1, 2])
-    with pytest.raises(RuntimeError, match="row 4 outside q's 4 rows"):
-        kernels.paged_decode_merge(
-            q, pool, pool, torch.arange(5), indptr, qo, torch.tensor([0, 4]), prefix_out,
-            prefix_lse, 0.1, torch.empty_like(q),
+    two_seqs = dict(
+        slots=torch.arange(5), kv_indptr=torch.tensor([0, 3, 5]), qo=torch.tensor([0, 1, 2])
+    )
+    one_seq = dict(slots=torch.arange(5), kv_indptr=torch.tensor([0, 5]), qo=torch.tensor([0, 2]))
+    cases = [  # (what the error says, the inputs changed from a valid call)
+        ("row 4 outside q's 4 rows", dict(two_seqs, rows=torch.tensor([0, 4]))),
+        ("prefix_out \\(rows, H, D\\)", dict(two_seqs, prefix_out=prefix_out[:1])),
+        ("share a dtype", dict(two_seqs, out=torch.empty_like(q).bfloat16())),
+        ("sequence 0's rows must be consecutive", dict(one_seq, rows=torch.tensor([0, 2]))),
+        (
+            "sequence 0 has 17 rows; 1 to 16 expected",
+            dict(
+                q=q17, out=torch.zeros_like(q17), slots=torch.arange(20),
+                kv_indptr=torch.tensor([0, 20]), qo=torch.tensor([0, 17]), rows=torch.arange(17),
+                prefix_out=torch.zeros(17, 6, 64), prefix_lse=torch.zeros(17, 6),
+            ),
+        ),
+        (
+            "rows are the last of its keys, but it has 1",
+            dict(slots=torch.arange(1), kv_indptr=torch.tensor([0, 1]), qo=torch.tensor([0, 2])),
+        ),
+    ]  # fmt: skip
+    for message, changed in cases:
+        valid = dict(
+            q=q, out=torch.empty_like(q), rows=torch.tensor([0, 1]), prefix_out=prefix_out,
+            prefix_lse=prefix_lse,
         )  # fmt: skip
-    with pytest.raises(RuntimeError, match="prefix_out \\(rows, H, D\\)"):
-        kernels.paged_decode_merge(
-            q, pool, pool, torch.arange(5), indptr, qo, torch.tensor([0, 1]), prefix_out[:1],
-            prefix_lse, 0.1, torch.empty_like(q),
-        )  # fmt: skip
-    with pytest.raises(RuntimeError, match="share a dtype"):
-        kernels.paged_decode_merge(
-            q, pool, pool, torch.arange(5), indptr, qo, torch.tensor([0, 1]), prefix_out,
-            prefix_lse, 0.1, torch.empty_like(q).bfloat16(),
-        )  # fmt: skip
-    with pytest.raises(RuntimeError, match="sequence 0's rows must be consecutive"):
-        kernels.paged_decode_merge(
-            q, pool, pool, torch.arange(5), torch.tensor([0, 5]), torch.tensor([0, 2]),
-            torch.tensor([0, 2]), prefix_out, prefix_lse, 0.1, torch.empty_like(q),
-        )  # fmt: skip
-    with pytest.raises(RuntimeError, match="sequence 0 has 17 rows; 1 to 16 expected"):
-        q17, out17 = torch.zeros(17, 6, 64), torch.zeros(17, 6, 64)
-        kernels.paged_decode_merge(
-            q17, pool, pool, torch.arange(20), torch.tensor([0, 20]), torch.tensor([0, 17]),
-            torch.arange(17), torch.zeros(17, 6, 64), torch.zeros(17, 6), 0.1, out17,
-        )  # fmt: skip
-    with pytest.raises(RuntimeError, match="rows are the last of its keys, but it has 1"):
-        kernels.paged_decode_merge(
-            q, pool, pool, torch.arange(1), torch.tensor([0, 1]), torch.tensor([0, 2]),
-            torch.tensor([0, 1]), prefix_out, prefix_lse, 0.1, torch.empty_like(q),
-        )  # fmt: skip
+        call = valid | changed
+        with pytest.raises(RuntimeError, match=message):
+            kernels.paged_decode_merge(
+                call["q"], pool, pool, call["slots"], call["kv_indptr"], call["qo"], call["rows"],
+                call["prefix_out"], call["prefix_lse"], 0.1, call["out"],
+            )  # fmt: skip
 
 
 @settings(max_examples=30, deadline=None)

@@ -438,16 +438,6 @@ def test_step_costs_decide_how_long_a_draft_pays():
     assert costs.fit(4) is None and costs.worth(4, 0.3, 6) == 6
 
 
-@pytest.fixture(scope="module")
-def head_dim_64_model_dir(tmp_path_factory, default_model_path):
-    """SmolLM2's attention shape (head_dim 64, 3 query heads per KV head): the shape the
-    native flash kernel, packed prefixes and the fused cascade decode take."""
-    from conftest import save_tiny_model
-
-    shape = dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1, head_dim=64)
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama-64"), default_model_path, **shape)
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("members,draft_rows", [(2, 5), (4, 9), (6, 9), (3, 16)])
 def test_a_verifying_pass_computes_what_plain_decodes_compute(

@@ -7,7 +7,7 @@ go through the native panel GEMM (csrc/panel_gemm.cpp), which streams weights pa
 48-feature panels: 1.1-1.4x oneDNN's speed at 5-64 rows in fp32 and 5-32 in bf16, and 1.3-1.9x
 at 1-4 rows. Such a Linear keeps both copies. Elsewhere, `F.linear`.
 
-A forward that verifies drafts (every sequence at most DECODE_MAX_ROWS new tokens, some more
+A forward that verifies drafts (every sequence at most MAX_DECODE_ROWS new tokens, some more
 than one) takes the panel GEMM up to DECODE_PANEL_MAX_ROWS rows in either dtype
 (`decode_shaped`): a row's sums then run in the order its plain decode's do, so a verified draft
 rounds as the decodes it replaces (in bf16 oneDNN's order moves a few elements in 10^4-10^5).
@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from runtime.model.native.kernels import MAX_DECODE_ROWS
+
 
 def packed_gemm_available(device: torch.device) -> bool:
     return (
@@ -37,10 +39,8 @@ def packed_gemm_available(device: torch.device) -> bool:
 # Forwards of at most this many tokens go through the panel GEMM: above them oneDNN's is as
 # fast or faster (examples/benchmarks/RESULTS.md, "the panel GEMM").
 PANEL_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 32}
-# a verifying forward: sequences of at most DECODE_MAX_ROWS new tokens (a draft of up to 15 and
-# its real token: the paged kernel's single-decode shape), at most this many rows in all (16
-# speculating requests); in bf16 the panel can be ~8% slower than oneDNN there
-DECODE_MAX_ROWS = 16
+# a verifying forward: sequences of at most MAX_DECODE_ROWS new tokens, at most this many rows
+# in all (16 speculating requests); in bf16 the panel can be ~8% slower than oneDNN there
 DECODE_PANEL_MAX_ROWS = 256
 _decode_panel_rows: ContextVar[int] = ContextVar("decode_panel_rows", default=0)
 
@@ -48,9 +48,9 @@ _decode_panel_rows: ContextVar[int] = ContextVar("decode_panel_rows", default=0)
 @contextmanager
 def decode_shaped(extend_lens: tuple[int, ...]) -> Iterator[None]:
     """Within it, a forward of these per-sequence new-token counts: when every one is at most
-    DECODE_MAX_ROWS and some are more than 1 (drafts verified, jump-forward), the panel GEMM
+    MAX_DECODE_ROWS and some are more than 1 (drafts verified, jump-forward), the panel GEMM
     takes up to DECODE_PANEL_MAX_ROWS rows."""
-    decodes = bool(extend_lens) and 1 < max(extend_lens) <= DECODE_MAX_ROWS
+    decodes = bool(extend_lens) and 1 < max(extend_lens) <= MAX_DECODE_ROWS
     token = _decode_panel_rows.set(DECODE_PANEL_MAX_ROWS if decodes else 0)
     try:
         yield

@@ -358,6 +358,8 @@ class Scheduler:
             prompt_part = max(0, min(req.num_computed, len(req.prompt_ids)) - start)
             self.counters["prefill_tokens"] += prompt_part  # prompt positions
             self.counters["decode_tokens"] += req.num_computed - start - prompt_part
+            if outcome.prompt_logits is not None:  # the row after a whole prompt or pin
+                self.prompt_logits.keep(req, outcome.prompt_logits)
             if not outcome.at_end:
                 self.kv.cache_prefix(req)  # a finished chunk: let others match it now
             elif req.kind is ReqKind.GENERATE:
@@ -365,12 +367,8 @@ class Scheduler:
                     self.prompt_logits.used(req)
                 elif not entry.is_decode:
                     self.kv.cache_prefix(req)
-                if outcome.prompt_logits is not None:
-                    self.prompt_logits.keep(req, outcome.prompt_logits)
                 self._sampled(req, outcome)
             else:
-                if outcome.prompt_logits is not None:
-                    self.prompt_logits.keep(req, outcome.prompt_logits)
                 self._complete(req)
         ratio = self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, ratio)

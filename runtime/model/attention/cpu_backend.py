@@ -28,12 +28,10 @@ from runtime.model.attention.cascade import (
 )
 from runtime.model.attention.packed_prefixes import PackedPrefix, PackedPrefixes
 from runtime.model.attention.torch_backend import SeqSpan, TorchAttention
+from runtime.model.native.kernels import MAX_DECODE_ROWS
 
 # packed shared prefixes kept across steps; W1's two (2k and 512 tokens) take ~60 MB in bf16
 PACKED_PREFIX_BYTES = 256 << 20
-# a sequence's new rows the fused cascade decode takes (the native kernel's kMaxDecodeRows):
-# a verified draft's rows then round as its plain decodes' do (bf16 greedy stays identical)
-MAX_FUSED_ROWS = 16
 
 
 @dataclass
@@ -70,8 +68,9 @@ class _Cascade:
     short: PagedDecodes | None  # members with few new tokens; rows local to `rows`
     long: list[_LongSuffix]
     packed: PackedPrefix | None  # the prefix packed for flash, kept across steps
-    # every member a decode of at most MAX_FUSED_ROWS rows: the prefix, each suffix and their
-    # merge run as two native calls that read q's rows and write out's rows in place
+    # every member a decode of at most MAX_DECODE_ROWS rows (one, or a verified draft's, which
+    # then round as its plain decodes do): the prefix, each suffix and their merge run as two
+    # native calls that read q's rows and write out's rows in place
     fused_decode: bool
 
 
@@ -179,7 +178,7 @@ class CpuPagedAttention(TorchAttention):
         fused = (
             packed is not None
             and not long
-            and all(seqs[i].num_new <= MAX_FUSED_ROWS for i in prefix.members)
+            and all(seqs[i].num_new <= MAX_DECODE_ROWS for i in prefix.members)
         )
         return _Cascade(prefix, torch.tensor(rows), short, long, packed, fused)
 

@@ -29,6 +29,9 @@ __all__ = [
 ]
 
 DISABLE_VAR = "FLOWLANG_NATIVE_KERNELS"
+# new rows of one sequence the paged kernels take as single-row decodes, bit for bit (a draft
+# of up to 15 and its real token): csrc/paged_attention.cpp's kMaxDecodeRows
+MAX_DECODE_ROWS = 16
 PROGRESS_EVERY_S = 30.0
 
 
