@@ -1,8 +1,9 @@
 """The native panel GEMM (csrc/panel_gemm.cpp) against a float64 reference, and Linear's use of
-it: forwards of up to PANEL_MAX_ROWS tokens go through it, larger ones through oneDNN, and the
-two agree to the dtype's precision; a forward that verifies drafts keeps it up to
-DECODE_PANEL_MAX_ROWS, each row then the bits it gets alone. Sizes off the kernel's 48-feature
-panels, 8-row blocks, 16/32 lanes and bf16 pairs (odd in_features) are covered."""
+it: outside a forward, up to PANEL_MAX_ROWS rows go through it, more through oneDNN, and the two
+agree to the dtype's precision; within a forward, decode-shaped sequences' rows and the logits'
+rows always take it and longer extends' rows oneDNN, so each row gets the bits it gets in any
+other batch. Sizes off the kernel's 48-feature panels, 8-row blocks, 16/32 lanes and bf16 pairs
+(odd in_features) are covered."""
 
 from __future__ import annotations
 
@@ -12,14 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.model.linear import (
-    DECODE_PANEL_MAX_ROWS,
     PANEL_MAX_ROWS,
     Linear,
-    decode_shaped,
     native_panel_gemm,
     packed_gemm_available,
+    routed_rows,
 )
-from runtime.model.native.kernels import load_cpu_kernels
+from runtime.model.native.kernels import MAX_DECODE_ROWS, load_cpu_kernels
 
 # relative to the largest |y|: fp32 sums in another order; bf16 rounds its output once
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
@@ -123,24 +123,54 @@ def test_released_openmp_workers_come_back_for_the_next_parallel_region(ops):
     assert ops.release_openmp_workers() == 0  # again, with a fresh pool to release
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    extend_lens=st.lists(
+        st.one_of(st.integers(1, MAX_DECODE_ROWS), st.integers(MAX_DECODE_ROWS + 1, 80)),
+        min_size=1,
+        max_size=24,
+    ),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_row_gets_the_same_bits_in_any_batch(extend_lens, dtype, seed):
+    """Within a forward of any mix of decodes, verified drafts and extends, a decode-shaped
+    sequence's rows equal its rows computed alone, an extend's rows equal its rows alone through
+    oneDNN, and the LM head's rows equal each row alone, whatever the row count."""
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(480, 576, generator=gen) * 0.05).to(dtype)
+    linear, head = Linear(w, None, pack=True), Linear(w, None, pack=True, logits=True)
+    x = torch.randn(sum(extend_lens), 576, generator=gen).to(dtype)
+    with routed_rows(tuple(extend_lens)):
+        together = linear(x)
+        logits = head(x)
+    start = 0
+    for n in extend_lens:
+        rows = x[start : start + n]
+        if n <= MAX_DECODE_ROWS:
+            with routed_rows((n,)):
+                assert torch.equal(together[start : start + n], linear(rows))
+        else:
+            onednn = torch.ops.mkldnn._linear_pointwise(rows, linear.weight, None, "none", [], "")
+            assert torch.equal(together[start : start + n], onednn)
+        start += n
+    one_by_one = torch.cat([head(x[i : i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(logits, one_by_one)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_verifying_forward_keeps_every_row_as_it_is_alone(dtype):
-    """A verifying pass (16 requests x a draft of up to 15 and its real token) has up to 256
-    rows: inside `decode_shaped` each row gets exactly what it gets as a one-row decode, where
-    oneDNN (what the same rows get in a prefill-shaped forward) sums in another order."""
+def test_decode_rows_take_the_panel_however_many(dtype):
+    """256 decode rows (or 16 drafts of 16) inside a forward: each row exactly as alone, where
+    oneDNN (what the same rows get outside a forward) sums in another order."""
     gen = torch.Generator().manual_seed(1)
     w = (torch.randn(3072, 576, generator=gen) * 0.05).to(dtype)  # SmolLM2's gate_up
     linear = Linear(w, None, pack=True)
-    x = torch.randn(DECODE_PANEL_MAX_ROWS, 576, generator=gen).to(dtype)
+    x = torch.randn(256, 576, generator=gen).to(dtype)
     alone = torch.cat([linear(x[i : i + 1]) for i in range(x.shape[0])])
     onednn = linear(x)  # no forward context: past PANEL_MAX_ROWS, oneDNN
-    with decode_shaped((16,) * 16):
-        assert torch.equal(linear(x), alone)
-        assert torch.equal(linear(x[:40]), alone[:40])
-    with decode_shaped((16,) * 15 + (17,)):  # one sequence extends past a draft: oneDNN
-        assert torch.equal(linear(x), onednn)
-    with decode_shaped((1,) * 256):  # plain decodes keep the limit each GEMM is fastest at
-        assert torch.equal(linear(x), onednn)
+    for lens in ((16,) * 16, (1,) * 256):
+        with routed_rows(lens):
+            assert torch.equal(linear(x), alone)
     if dtype == torch.bfloat16:  # the rule matters here: oneDNN rounds some elements otherwise
         assert not torch.equal(onednn, alone)
     assert torch.equal(linear(x), onednn)  # the context is gone after the forward

@@ -2,16 +2,17 @@
 
 On CPU, oneDNN with weights reordered once into its blocked layout runs prefill-sized GEMMs near
 this CPU's peak and 2-3x faster than `F.linear` (MKL) at decode shapes; results differ only in
-summation order (~1e-6 relative in fp32). Decode batches (up to PANEL_MAX_ROWS tokens) instead
-go through the native panel GEMM (csrc/panel_gemm.cpp), which streams weights packed in
-48-feature panels: 1.1-1.4x oneDNN's speed at 5-64 rows in fp32 and 5-32 in bf16, and 1.3-1.9x
-at 1-4 rows. Such a Linear keeps both copies. Elsewhere, `F.linear`.
+summation order (~1e-6 relative in fp32). Decode rows instead go through the native panel GEMM
+(csrc/panel_gemm.cpp), which streams weights packed in 48-feature panels: 1.1-1.4x oneDNN's
+speed at 5-64 rows in fp32 and 5-32 in bf16, 1.3-1.9x at 1-4 rows, about even up to 256. Such a
+Linear keeps both copies. Elsewhere, `F.linear`.
 
-A forward that verifies drafts (every sequence at most MAX_DECODE_ROWS new tokens, some more
-than one) takes the panel GEMM up to DECODE_PANEL_MAX_ROWS rows in either dtype
-(`decode_shaped`): a row's sums then run in the order its plain decode's do, so a verified draft
-rounds as the decodes it replaces (in bf16 oneDNN's order moves a few elements in 10^4-10^5).
-Plain decode batches keep PANEL_MAX_ROWS, where each GEMM was measured fastest.
+Each GEMM computes a row's sums in an order of its own, and each computes a row alike whatever
+the other rows (oneDNN from 2 rows up). So within a forward (`routed_rows`, set by the runner)
+the rows of sequences with at most MAX_DECODE_ROWS new tokens (decodes, verified drafts) always
+take the panel, the rows of longer extends always take oneDNN, and the logits' rows always take
+the panel: a token's sums never depend on what else is in its batch. Outside a forward, the
+panel takes up to PANEL_MAX_ROWS rows.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,26 +38,49 @@ def packed_gemm_available(device: torch.device) -> bool:
     )
 
 
-# Forwards of at most this many tokens go through the panel GEMM: above them oneDNN's is as
-# fast or faster (examples/benchmarks/RESULTS.md, "the panel GEMM").
+# Outside a routed forward, at most this many rows go through the panel GEMM: above them
+# oneDNN's is as fast or faster (examples/benchmarks/RESULTS.md, "the panel GEMM").
 PANEL_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 32}
-# a verifying forward: sequences of at most MAX_DECODE_ROWS new tokens, at most this many rows
-# in all (16 speculating requests); in bf16 the panel can be ~8% slower than oneDNN there
-DECODE_PANEL_MAX_ROWS = 256
-_decode_panel_rows: ContextVar[int] = ContextVar("decode_panel_rows", default=0)
+
+
+@dataclass(frozen=True)
+class RowRoutes:
+    """A forward's token rows by GEMM: `panel` (decode-shaped sequences' rows) and `dense`
+    (longer extends' rows), each a slice when the rows are one run, None when there are none."""
+
+    num_tokens: int
+    panel: slice | torch.Tensor | None
+    dense: slice | torch.Tensor | None
+
+    @classmethod
+    def of(cls, extend_lens: tuple[int, ...]) -> RowRoutes:
+        panel, dense, start = [], [], 0
+        for n in extend_lens:
+            (panel if n <= MAX_DECODE_ROWS else dense).extend(range(start, start + n))
+            start += n
+        return cls(start, _as_index(panel), _as_index(dense))
+
+
+def _as_index(rows: list[int]) -> slice | torch.Tensor | None:
+    if not rows:
+        return None
+    if rows[-1] - rows[0] == len(rows) - 1:  # ascending and unique: one run
+        return slice(rows[0], rows[-1] + 1)
+    return torch.tensor(rows)
+
+
+_routes: ContextVar[RowRoutes | None] = ContextVar("row_routes", default=None)
 
 
 @contextmanager
-def decode_shaped(extend_lens: tuple[int, ...]) -> Iterator[None]:
-    """Within it, a forward of these per-sequence new-token counts: when every one is at most
-    MAX_DECODE_ROWS and some are more than 1 (drafts verified, jump-forward), the panel GEMM
-    takes up to DECODE_PANEL_MAX_ROWS rows."""
-    decodes = bool(extend_lens) and 1 < max(extend_lens) <= MAX_DECODE_ROWS
-    token = _decode_panel_rows.set(DECODE_PANEL_MAX_ROWS if decodes else 0)
+def routed_rows(extend_lens: tuple[int, ...]) -> Iterator[None]:
+    """Within it, a forward of these per-sequence new-token counts: its GEMMs route each row
+    by its sequence's shape (see the module's doc)."""
+    token = _routes.set(RowRoutes.of(extend_lens))
     try:
         yield
     finally:
-        _decode_panel_rows.reset(token)
+        _routes.reset(token)
 
 
 def native_panel_gemm(weight: torch.Tensor) -> Any | None:
@@ -73,12 +98,16 @@ def native_panel_gemm(weight: torch.Tensor) -> Any | None:
 
 
 class Linear:
-    """y = x @ weight.T + bias for x (num_tokens, in_features)."""
+    """y = x @ weight.T + bias for x (num_tokens, in_features). `logits`: the LM head, whose
+    rows (one per sequence, or a prompt's for its logprobs) always take the panel GEMM."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, logits: bool = False
+    ) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.packed = pack
+        self.logits = logits
         self._native = native_panel_gemm(weight) if pack else None
         self._panel_rows = PANEL_MAX_ROWS[weight.dtype] if self._native is not None else 0
         self.panels = self._native.panel_pack(weight) if self._native is not None else None
@@ -87,8 +116,26 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self._native is not None and 0 < rows <= max(self._panel_rows, _decode_panel_rows.get()):
-            return self._native.panel_gemm(x, self.panels, self.bias, self.out_features)
+        if self._native is None or rows == 0:
+            return self._dense(x)
+        if self.logits:
+            return self._panel(x)
+        routes = _routes.get()
+        if routes is None or routes.num_tokens != rows:  # outside a forward (or an expert's rows)
+            return self._panel(x) if rows <= self._panel_rows else self._dense(x)
+        if routes.dense is None:
+            return self._panel(x)
+        if routes.panel is None:
+            return self._dense(x)
+        out = x.new_empty(rows, self.out_features)
+        out[routes.panel] = self._panel(x[routes.panel])
+        out[routes.dense] = self._dense(x[routes.dense])
+        return out
+
+    def _panel(self, x: torch.Tensor) -> torch.Tensor:
+        return self._native.panel_gemm(x, self.panels, self.bias, self.out_features)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

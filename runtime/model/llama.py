@@ -55,7 +55,7 @@ class LlamaModel:
         self.ops = pointwise_ops(self.device, arch.gemma_norms, arch.hidden_act, dtype)
         self.embed = get("model.embed_tokens.weight")  # (vocab, hidden)
         lm_head = self.embed if arch.tie_word_embeddings else get("lm_head.weight")
-        self.lm_head = Linear(lm_head, None, pack)
+        self.lm_head = Linear(lm_head, None, pack, logits=True)
         self.final_norm = norm("model.norm.weight")
         # Gemma: embeddings times sqrt(hidden) rounded to the model dtype, as transformers does
         self._embed_scale = torch.tensor(arch.embed_scale, dtype=dtype, device=self.device)

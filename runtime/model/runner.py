@@ -14,7 +14,7 @@ from runtime.model.arch import ModelArch
 from runtime.model.attention import make_attention_backend
 from runtime.model.batch import ForwardBatch
 from runtime.model.cuda_graph import DecodeGraphs
-from runtime.model.linear import decode_shaped
+from runtime.model.linear import routed_rows
 from runtime.model.llama import LlamaModel
 from runtime.model.loader import load_checkpoint
 
@@ -92,7 +92,7 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             return self.decode_graphs.run(batch)
         self.attention.plan(batch)
-        with decode_shaped(batch.extend_lens):
+        with routed_rows(batch.extend_lens):
             return self.model.forward(batch, self.attention)
 
     @property

@@ -82,6 +82,17 @@ def _best_run(common: list[int], lo: int, hi: int) -> tuple[int, int, int] | Non
     return best
 
 
+def in_whole_chunks(prefix: SharedPrefix, chunk: int) -> SharedPrefix:
+    """`prefix` cut back to a multiple of `chunk` keys (possibly none), where a sequence attended
+    alone ends a chunk of its keys: the cut prefix continues into each suffix exactly."""
+    length = prefix.length - prefix.length % chunk
+    if length == prefix.length:
+        return prefix
+    slots = prefix.slots[:length]
+    first = prefix.first_slot if length else None
+    return SharedPrefix(prefix.members, length, slots, first)
+
+
 def prefix_of_one(member: int, slots: torch.Tensor) -> SharedPrefix:
     """The cached prefix of one sequence, attended as the first half of a cascade."""
     return SharedPrefix((member,), slots.numel(), slots, _ascending_run_start(slots))

@@ -32,6 +32,9 @@ DISABLE_VAR = "FLOWLANG_NATIVE_KERNELS"
 # new rows of one sequence the paged kernels take as single-row decodes, bit for bit (a draft
 # of up to 15 and its real token): csrc/paged_attention.cpp's kMaxDecodeRows
 MAX_DECODE_ROWS = 16
+# keys the vectorized decodes attend per chunk, merging chunk results in order, so that a shared
+# prefix of whole chunks attended once continues exactly: csrc/paged_attention.cpp's kKvChunk
+KV_CHUNK = 64
 PROGRESS_EVERY_S = 30.0
 
 
@@ -132,7 +135,8 @@ def load_cpu_kernels() -> Any:
     for it) and `flash_attention_packed(q, q_rows, k_packed, v_packed, length, scale, causal)`
     (the query rows q_rows of q), `paged_decode_merge(q, k_pool, v_pool, slots, kv_indptr,
     qo_indptr, rows, prefix_out, prefix_lse, scale, out)` (decodes of up to 16 rows each,
-    merged with a prefix's attention, written into out's rows),
+    continuing `prefix_attention(q, rows, k_pool, v_pool, prefix_slots, scale)`'s fp32 result
+    over a shared prefix of whole KV_CHUNKs, written into out's rows),
     `merge_attention(out_a, lse_a, out_b, lse_b)`, and
     `rms_norm(x, weight, eps)`, `add_rms_norm(x, residual, weight, eps)`,
     `rope(x, cos, sin)`, `silu_and_mul(gate_up)`, and `panel_gemm(x, panels, bias, n_out)`

@@ -21,6 +21,14 @@ inline float to_float(scalar_t x) { return static_cast<float>(x); }
 // New rows of one sequence the vectorized decode takes (a draft + 1).
 constexpr int64_t kMaxDecodeRows = 16;
 
+// Keys are attended in chunks of kKvChunk positions, aligned to the sequence's first key, and
+// each chunk's result is merged into the running one in order. A row's result then depends on
+// its own keys alone: a shared prefix of whole chunks attended once for many sequences
+// (prefix_attention) and continued per sequence (paged_decode_merge) computes every operation
+// that the sequence attended alone computes, so batching never changes a token, in any dtype
+// (the vectorized decodes; windows and soft-capping take the general kernel, unchunked).
+constexpr int64_t kKvChunk = 64;
+
 // Slots are scattered after eviction churn: fetch rows a few steps ahead of use.
 constexpr int64_t kPrefetch = 6;
 
@@ -75,13 +83,15 @@ inline int64_t key_block(const scalar_t* pool, const int64_t* seq, int64_t j0, i
 
 template <typename scalar_t>
 void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_pool,
-                const int64_t* seq, int64_t L, int64_t n, float* out, float* lse, int64_t H,
-                int64_t KVH, int64_t D, float scale, std::vector<float>& scores,
-                std::vector<float>& acc, std::vector<float>& qf, int64_t hk0, int64_t hk1) {
+                const int64_t* seq, int64_t L, int64_t n, int64_t first_keys, float* out,
+                float* lse, int64_t H, int64_t KVH, int64_t D, float scale,
+                std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& qf,
+                int64_t hk0, int64_t hk1) {
   using namespace flowlang_avx512;
-  // n query rows (a verified draft: row r sits at position L - n + r and sees keys up to it);
-  // the n x G query heads of a KV head share each key load. Per row the operations are a
-  // single-row decode's over its own keys, in the same order: masked keys add exact zeros.
+  // n query rows; row r sees the first first_keys + r of the L keys (a verified draft: its
+  // rows are the last positions, causal among them); the n x G query heads of a KV head share
+  // each key load. Per row the operations are a single-row decode's over its own keys, in the
+  // same order: masked keys add exact zeros.
   const int64_t G = H / KVH, row = KVH * D, L_pad = (L + 15) / 16 * 16, NG = n * G;
   constexpr float kLog2e = 1.4426950408889634f;
   scores.resize(n * H * L_pad);
@@ -101,7 +111,7 @@ void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_poo
       const int64_t count = key_block(k_pool, seq, j0, L, hk, row, D, buf, ptrs);
       for (int64_t jj = count; jj < 16; ++jj) ptrs[jj] = zero_row;
       for (int64_t vg = 0; vg < NG; ++vg) {
-        const int64_t r = vg / G, visible = std::min<int64_t>(count, L - n + r + 1 - j0);
+        const int64_t r = vg / G, visible = std::min<int64_t>(count, first_keys + r - j0);
         __m512 dots[16];
         for (int64_t jj = 0; jj < 16; ++jj) dots[jj] = _mm512_setzero_ps();
         for (int64_t c = 0; c < D; c += 16) {
@@ -196,7 +206,7 @@ void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_poo
 template <int ND>
 void decode_one_bf16(const at::BFloat16* q, const at::BFloat16* k_pool,
                      const at::BFloat16* v_pool, const int64_t* seq, int64_t L, int64_t n,
-                     float* out, float* lse, int64_t H, int64_t KVH, float scale,
+                     int64_t first_keys, float* out, float* lse, int64_t H, int64_t KVH, float scale,
                      std::vector<float>& scores, std::vector<float>& acc, int64_t hk0, int64_t hk1) {
   using namespace flowlang_avx512;
   constexpr int64_t D = 16 * ND, NZ = ND / 2;  // NZ zmm of 32 bf16 per row
@@ -234,7 +244,7 @@ void decode_one_bf16(const at::BFloat16* q, const at::BFloat16* k_pool,
           }
         }
         for (int64_t vg = vg0; vg < vg1; ++vg) {
-          const int64_t visible = std::min<int64_t>(count, L - n + vg / G + 1 - j0);
+          const int64_t visible = std::min<int64_t>(count, first_keys + vg / G - j0);
           const __mmask16 valid = visible >= 16 ? __mmask16(0xFFFF)
                                   : visible <= 0 ? __mmask16(0)
                                                  : __mmask16((1u << visible) - 1);
@@ -325,18 +335,67 @@ inline bool vector_decode(int64_t D, int64_t G) { return D % 16 == 0 && D <= 256
 // out (n, H, D) and lse (n, H), written for those heads only.
 template <typename scalar_t>
 void decode_heads(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_pool,
-                  const int64_t* seq, int64_t L, int64_t n, float* out, float* lse, int64_t H,
-                  int64_t KVH, int64_t D, float scale, std::vector<float>& scores,
-                  std::vector<float>& acc, std::vector<float>& qf, int64_t hk0, int64_t hk1) {
+                  const int64_t* seq, int64_t L, int64_t n, int64_t first_keys, float* out,
+                  float* lse, int64_t H, int64_t KVH, int64_t D, float scale,
+                  std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& qf,
+                  int64_t hk0, int64_t hk1) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
     if (D == 64)
-      return decode_one_bf16<4>(q, k_pool, v_pool, seq, L, n, out, lse, H, KVH, scale, scores, acc, hk0, hk1);
+      return decode_one_bf16<4>(q, k_pool, v_pool, seq, L, n, first_keys, out, lse, H, KVH, scale, scores, acc, hk0, hk1);
     if (D == 128)
-      return decode_one_bf16<8>(q, k_pool, v_pool, seq, L, n, out, lse, H, KVH, scale, scores, acc, hk0, hk1);
+      return decode_one_bf16<8>(q, k_pool, v_pool, seq, L, n, first_keys, out, lse, H, KVH, scale, scores, acc, hk0, hk1);
   }
 #endif
-  decode_one(q, k_pool, v_pool, seq, L, n, out, lse, H, KVH, D, scale, scores, acc, qf, hk0, hk1);
+  decode_one(q, k_pool, v_pool, seq, L, n, first_keys, out, lse, H, KVH, D, scale, scores, acc,
+             qf, hk0, hk1);
+}
+
+
+// (o, lse) over earlier keys merged with (oc, lsec) over the next chunk, in fp32 (lse natural).
+// Explicit intrinsics: the compiler may not contract these differently at different call sites.
+inline void merge_into(float* o, float* lse, const float* oc, float lsec, int64_t D) {
+  const float top = std::max(*lse, lsec);
+  const float wa = std::exp(*lse - top), wb = std::exp(lsec - top);
+  const float total = wa + wb;
+  const float inv = 1.f / total;
+  const __m512 va = _mm512_set1_ps(wa * inv), vb = _mm512_set1_ps(wb * inv);
+  for (int64_t d = 0; d < D; d += 16)
+    _mm512_storeu_ps(o + d, _mm512_fmadd_ps(_mm512_loadu_ps(o + d), va,
+                                            _mm512_mul_ps(_mm512_loadu_ps(oc + d), vb)));
+  *lse = top + std::log(total);
+}
+
+// decode_heads chunk by chunk: n rows over L keys (causal: the rows are the last positions, as
+// in decode_one; else every row sees every key), fp32 out (n, H, D) and lse (n, H) for KV heads
+// [hk0, hk1). `resume`: out/lse already hold the rows' attention over earlier whole chunks of
+// keys (a shared prefix), which these keys continue.
+template <typename scalar_t>
+void decode_chunked(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_pool,
+                    const int64_t* seq, int64_t L, int64_t n, bool causal, bool resume,
+                    float* out, float* lse, int64_t H, int64_t KVH, int64_t D, float scale,
+                    std::vector<float>& scores, std::vector<float>& acc,
+                    std::vector<float>& qf, std::vector<float>& chunk_out,
+                    std::vector<float>& chunk_lse, int64_t hk0, int64_t hk1) {
+  const int64_t G = H / KVH, h0 = hk0 * G, h1 = hk1 * G;
+  chunk_out.resize(n * H * D);
+  chunk_lse.resize(n * H);
+  for (int64_t c0 = 0; c0 < L; c0 += kKvChunk) {
+    const int64_t count = std::min<int64_t>(kKvChunk, L - c0);
+    // causal: rows before r0 end before this chunk (a draft's first rows, in its last chunk)
+    const int64_t r0 = causal ? std::max<int64_t>(0, c0 - (L - n)) : 0;
+    const int64_t first_keys = causal ? L - n + r0 + 1 - c0 : count;
+    const bool first = c0 == 0 && !resume;
+    float* dst = first ? out : chunk_out.data();
+    float* dst_lse = first ? lse : chunk_lse.data();
+    decode_heads(q + r0 * H * D, k_pool, v_pool, seq + c0, count, n - r0, first_keys,
+                 dst + r0 * H * D, dst_lse + r0 * H, H, KVH, D, scale, scores, acc, qf, hk0, hk1);
+    if (first) continue;
+    for (int64_t r = r0; r < n; ++r)
+      for (int64_t h = h0; h < h1; ++h)
+        merge_into(out + (r * H + h) * D, lse + r * H + h, chunk_out.data() + (r * H + h) * D,
+                   chunk_lse[r * H + h], D);
+  }
 }
 #endif
 
@@ -371,7 +430,7 @@ void attention_kernel(
   // attends to keys [max(0, pos - window + 1), pos].
   const int64_t parts = B < 4 * at::get_num_threads() ? KVH : 1;
   at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, acc, scores, rowf(row), head_out;
+    std::vector<float> qf, acc, scores, rowf(row), head_out, chunk_out, chunk_lse;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / parts, part = task % parts;
       const int64_t hk0 = parts == 1 ? 0 : part, hk1 = parts == 1 ? KVH : part + 1;
@@ -383,8 +442,9 @@ void attention_kernel(
         if (n <= kMaxDecodeRows && window == 0 && softcap == 0.f && vector_decode(D, G)) {
           scalar_t* ob = out + qo_indptr[b] * H * D;
           head_out.resize(n * H * D);
-          decode_heads(q + qo_indptr[b] * H * D, k_pool, v_pool, seq, L, n, head_out.data(),
-                       lse + qo_indptr[b] * H, H, KVH, D, scale, scores, acc, qf, hk0, hk1);
+          decode_chunked(q + qo_indptr[b] * H * D, k_pool, v_pool, seq, L, n, true, false,
+                         head_out.data(), lse + qo_indptr[b] * H, H, KVH, D, scale, scores, acc,
+                         qf, chunk_out, chunk_lse, hk0, hk1);
           for (int64_t r = 0; r < n; ++r)
             store_rounded(ob + (r * H + hk0 * G) * D, head_out.data() + (r * H + hk0 * G) * D,
                           (hk1 - hk0) * G * D);
@@ -456,20 +516,19 @@ void attention_kernel(
 #if defined(__AVX512F__)
 // Decodes that share a prefix attended elsewhere (a cascade), each of a few rows (a verified
 // draft: causal among them): sequence b's queries are q's consecutive rows rows[qo_indptr[b]]..,
-// its own keys slots[kv_indptr[b]:kv_indptr[b+1]], its rows the last of them. Each row's
-// attention over the prefix (prefix_out[i], prefix_lse[i], i its index in rows) is merged in by
-// log-sum-exp, in fp32 from the unrounded suffix result, and written to out's row rows[i]. A row
-// gets bit for bit what it gets as a single-row decode (decode_heads: the same operations per
-// row); the merge weighs as merge_attention does.
+// its own keys slots[kv_indptr[b]:kv_indptr[b+1]], its rows the last of them. Each row's fp32
+// attention over the prefix (prefix_out[i], prefix_lse[i], i its index in rows: prefix_attention's
+// result over whole chunks) is continued over these keys and written, rounded, to out's row
+// rows[i]: bit for bit what the row gets as a decode of its sequence alone.
 template <typename scalar_t>
 void decode_merge_kernel(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_pool,
                          const int64_t* slots, const int64_t* kv_indptr, const int64_t* qo_indptr,
-                         const int64_t* rows, const scalar_t* prefix_out, const float* prefix_lse,
+                         const int64_t* rows, const float* prefix_out, const float* prefix_lse,
                          scalar_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D, float scale) {
   const int64_t G = H / KVH;
   const int64_t parts = B < 4 * at::get_num_threads() ? KVH : 1;
   at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc, scores, qf, head_out, head_lse;
+    std::vector<float> acc, scores, qf, head_out, head_lse, chunk_out, chunk_lse;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / parts, part = task % parts;
       const int64_t hk0 = parts == 1 ? 0 : part, hk1 = parts == 1 ? KVH : part + 1;
@@ -478,25 +537,38 @@ void decode_merge_kernel(const scalar_t* q, const scalar_t* k_pool, const scalar
       const int64_t h0 = hk0 * G, h1 = hk1 * G;
       head_out.resize(n * H * D);
       head_lse.resize(n * H);
-      if (L > 0)
-        decode_heads(q + rows[i0] * H * D, k_pool, v_pool, slots + kv_indptr[b], L, n,
-                     head_out.data(), head_lse.data(), H, KVH, D, scale, scores, acc, qf, hk0,
-                     hk1);
-      for (int64_t r = 0; r < n; ++r) {
-        const int64_t i = i0 + r;
+      for (int64_t r = 0; r < n; ++r)
         for (int64_t h = h0; h < h1; ++h) {
-          const float lse_a = prefix_lse[i * H + h];
-          const float lse_b = L > 0 ? head_lse[r * H + h] : -INFINITY;
-          const float top = std::max(lse_a, lse_b);
-          const float wa = std::exp(lse_a - top), wb = L > 0 ? std::exp(lse_b - top) : 0.f;
-          const float inv = 1.f / (wa + wb);
-          const scalar_t* a = prefix_out + (i * H + h) * D;
-          const float* o_b = head_out.data() + (r * H + h) * D;
-          scalar_t* o = out + (rows[i] * H + h) * D;
-          for (int64_t d = 0; d < D; ++d)
-            o[d] = static_cast<scalar_t>(static_cast<float>(a[d]) * (wa * inv) + o_b[d] * (wb * inv));
+          std::copy_n(prefix_out + ((i0 + r) * H + h) * D, D, head_out.data() + (r * H + h) * D);
+          head_lse[r * H + h] = prefix_lse[(i0 + r) * H + h];
         }
-      }
+      decode_chunked(q + rows[i0] * H * D, k_pool, v_pool, slots + kv_indptr[b], L, n, true,
+                     true, head_out.data(), head_lse.data(), H, KVH, D, scale, scores, acc, qf,
+                     chunk_out, chunk_lse, hk0, hk1);
+      for (int64_t r = 0; r < n; ++r)
+        store_rounded(out + (rows[i0 + r] * H + h0) * D, head_out.data() + (r * H + h0) * D,
+                      (h1 - h0) * D);
+    }
+  });
+}
+
+// Rows of many sequences over one shared prefix (every row sees every key): q (R, H, D)
+// gathered rows, fp32 out (R, H, D) and lse (R, H), chunk by chunk as decode_chunked attends
+// them for one sequence. Tasks: blocks of rows by KV head, each block sharing its key loads.
+template <typename scalar_t>
+void prefix_kernel(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_pool,
+                   const int64_t* slots, int64_t L, int64_t R, float* out, float* lse, int64_t H,
+                   int64_t KVH, int64_t D, float scale) {
+  constexpr int64_t kRowBlock = 16;
+  const int64_t blocks = (R + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, blocks * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc, scores, qf, chunk_out, chunk_lse, block_out, block_lse;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t blk = task / KVH, hk = task % KVH;
+      const int64_t r0 = blk * kRowBlock, n = std::min<int64_t>(kRowBlock, R - r0);
+      decode_chunked(q + r0 * H * D, k_pool, v_pool, slots, L, n, false, false,
+                     out + r0 * H * D, lse + r0 * H, H, KVH, D, scale, scores, acc, qf,
+                     chunk_out, chunk_lse, hk, hk + 1);
     }
   });
 }
@@ -520,8 +592,8 @@ void paged_decode_merge(const at::Tensor& q, const at::Tensor& k_pool,
               "int64 slots, indptrs and rows expected");
   const auto dtype = q.scalar_type();
   TORCH_CHECK(k_pool.scalar_type() == dtype && out.scalar_type() == dtype &&
-                  prefix_out.scalar_type() == dtype && prefix_lse.scalar_type() == at::kFloat,
-              "q, pools, prefix_out and out share a dtype; prefix_lse is fp32");
+                  prefix_out.scalar_type() == at::kFloat && prefix_lse.scalar_type() == at::kFloat,
+              "q, pools and out share a dtype; prefix_out and prefix_lse are fp32");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_pool.size(1);
   const int64_t B = kv_indptr.numel() - 1, R = rows.numel();
   TORCH_CHECK(H % KVH == 0 && k_pool.size(2) == D, "head shapes disagree");
@@ -553,7 +625,7 @@ void paged_decode_merge(const at::Tensor& q, const at::Tensor& k_pool,
     } else {
       decode_merge_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(),
                                     v_pool.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), kv, qo,
-                                    r, prefix_out.data_ptr<scalar_t>(), prefix_lse.data_ptr<float>(),
+                                    r, prefix_out.data_ptr<float>(), prefix_lse.data_ptr<float>(),
                                     out.data_ptr<scalar_t>(), B, H, KVH, D,
                                     static_cast<float>(scale));
     }
@@ -563,6 +635,44 @@ void paged_decode_merge(const at::Tensor& q, const at::Tensor& k_pool,
 #endif
 }
 
+
+std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const at::Tensor& rows,
+                                                    const at::Tensor& k_pool,
+                                                    const at::Tensor& v_pool,
+                                                    const at::Tensor& slots, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(),
+              "q (T,H,D) and pools (S,KVH,D) expected");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && slots.is_contiguous(),
+              "contiguous pools and slots expected");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong,
+              "int64 rows and slots expected");
+  TORCH_CHECK(k_pool.scalar_type() == q.scalar_type(), "q and the pools share a dtype");
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_pool.size(1), L = slots.numel();
+  TORCH_CHECK(H % KVH == 0 && k_pool.size(2) == D, "head shapes disagree");
+  TORCH_CHECK(L % kKvChunk == 0, "a shared prefix of ", L, " keys; whole chunks of ", kKvChunk,
+              " expected (a sequence attended alone splits its keys there)");
+#if defined(__AVX512F__)
+  TORCH_CHECK(vector_decode(D, H / KVH), "head_dim ", D, " and ", H / KVH,
+              " heads per KV head: no vectorized decode for this shape");
+  const at::Tensor qg = q.index_select(0, rows).contiguous();  // (R, H, D)
+  const int64_t R = qg.size(0);
+  auto out = at::empty({R, H, D}, q.options().dtype(at::kFloat));
+  auto lse = at::empty({R, H}, q.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefix_attention", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "fp64 has no vectorized decode");
+    } else {
+      prefix_kernel<scalar_t>(qg.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(),
+                              v_pool.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), L, R,
+                              out.data_ptr<float>(), lse.data_ptr<float>(), H, KVH, D,
+                              static_cast<float>(scale));
+    }
+  });
+  return {out, lse};
+#else
+  TORCH_CHECK(false, "prefix_attention needs AVX-512");
+#endif
+}
 
 std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at::Tensor& k_pool,
                               const at::Tensor& v_pool, const at::Tensor& slots,
@@ -599,9 +709,12 @@ TORCH_LIBRARY(flowlang, m) {
   m.def("paged_decode_merge(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, "
         "Tensor kv_indptr, Tensor qo_indptr, Tensor rows, Tensor prefix_out, Tensor prefix_lse, "
         "float scale, Tensor(a!) out) -> ()");
+  m.def("prefix_attention(Tensor q, Tensor rows, Tensor k_pool, Tensor v_pool, Tensor slots, "
+        "float scale) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(flowlang, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("paged_decode_merge", &paged_decode_merge);
+  m.impl("prefix_attention", &prefix_attention);
 }
