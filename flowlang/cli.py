@@ -206,6 +206,12 @@ def add_serve(commands: Commands) -> None:
         "context and their program's siblings, verified in one pass; off (the default)",
     )
     serve.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="compute every token the same way whatever shares its batch: greedy output "
+        "reproducible bit for bit in bf16 too (slower at batch 8 and more)",
+    )
+    serve.add_argument(
         "--spec-max-draft-tokens",
         type=_positive(int),
         default=8,
@@ -307,6 +313,7 @@ def run_serve(args: argparse.Namespace) -> int:
         disk_kv_gb=args.disk_kv_gb,
         kv_write_policy=args.kv_write_policy,
         speculative=args.speculative,
+        batch_invariant=args.batch_invariant,
         spec_max_draft_tokens=args.spec_max_draft_tokens,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,

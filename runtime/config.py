@@ -106,6 +106,14 @@ class EngineConfig(BaseModel):
         "holds (the radix tree, their own context, their program's siblings) and verify the "
         "guesses in one forward pass; off: one token per step (docs/speculative.md)",
     )
+    batch_invariant: bool = Field(
+        False,
+        description="compute every token the same way whatever else shares its batch, so that "
+        "greedy output is reproducible bit for bit in bf16 too, with speculation or without "
+        "(CPU backend: decodes behind a shared prefix attended in chunks, extends one by one, "
+        "GEMM rows by their sequence's shape; costs speed at batch 8 and more; "
+        "docs/models.md)",
+    )
     spec_max_draft_tokens: int = Field(
         8,
         ge=1,

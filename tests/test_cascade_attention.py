@@ -82,23 +82,48 @@ def test_cascade_matches_reference(dtype, head_dim, tol, contiguous):
         ref_pool.v[layer].copy_(pool.v[layer])
     backend, got = run_layer(CpuPagedAttention, pool, batch, qkv, layer=1)
     _, expected = run_layer(TorchAttention, ref_pool, batch, qkv, layer=1)
+    assert sorted(len(c.prefix.members) for c in backend._cascades) == [1, 2, 6]
+    assert sorted(c.prefix.length for c in backend._cascades) == [80, 100, 200]
+    assert all((c.prefix.first_slot is not None) == contiguous for c in backend._cascades)
+    assert len(backend._extends) == 1 and backend.decode_group is not None  # the other loners
     native = head_dim == 64 and native_flash_supported()
     assert backend._native_flash == native
-    if native:
-        # decodes only, behind whole chunks (A's 200 slots cut to 192, B's 80 to 64); every
-        # extend past 16 new tokens (A's two long ones, two loners) takes flash on its own
-        assert sorted(len(c.prefix.members) for c in backend._cascades) == [2, 4]
-        assert sorted(c.prefix.length for c in backend._cascades) == [64, 192]
-        assert all(c.fused_decode for c in backend._cascades)
-        assert len(backend._extends) == 4
-    else:
-        assert sorted(len(c.prefix.members) for c in backend._cascades) == [1, 2, 6]
-        assert sorted(c.prefix.length for c in backend._cascades) == [80, 100, 200]
-        assert len(backend._extends) == 1  # the fresh prefill; the other loner decodes
-    assert all((c.prefix.first_slot is not None) == contiguous for c in backend._cascades)
-    assert backend.decode_group is not None
     assert (got.float() - expected.float()).abs().max().item() < tol
     assert torch.equal(pool.k[1], ref_pool.k[1])  # the new K/V were written alike
+
+
+@pytest.mark.skipif(not native_flash_supported(), reason="this CPU lacks AVX-512 BF16")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_batch_invariant_cascades_hold_decodes_only_behind_whole_chunks(dtype, tol):
+    """Batch-invariant: the same batch as above; decodes group apart behind whole chunks (A's
+    200 slots cut to 192, B's 80 to 64), every extend past 16 new tokens (A's two long ones,
+    two loners) takes flash on its own, and the results are still the reference's."""
+    gen = torch.Generator().manual_seed(1)
+    pool = KVPool(2, NUM_SLOTS, KV_HEADS, 64, dtype)
+    pool.k[1].copy_(torch.randn(NUM_SLOTS, KV_HEADS, 64, generator=gen))
+    pool.v[1].copy_(torch.randn(NUM_SLOTS, KV_HEADS, 64, generator=gen))
+    order = torch.randperm(NUM_SLOTS, generator=gen)
+    prefix_a, prefix_b, free = order[100:300], order[300:380], order[400:]
+    a_slots, a_ids, free = shared_batch(
+        prefix_a, [(5, 1), (0, 1), (40, 1), (17, 9), (0, 70), (33, 48)], gen, free
+    )
+    b_slots, b_ids, free = shared_batch(prefix_b, [(3, 1), (12, 1)], gen, free)
+    lone_slots = [free[:50], free[50:90], free[90:250]]
+    lone_ids = [[7], torch.randint(0, 100, (40,), generator=gen).tolist(), [3] * 60]
+    batch = ForwardBatch.build(a_ids + b_ids + lone_ids, a_slots + b_slots + lone_slots)
+    qkv = random_qkv(batch.num_tokens, dtype, gen, 64)
+    ref_pool = KVPool(2, NUM_SLOTS, KV_HEADS, 64, dtype)
+    ref_pool.k[1].copy_(pool.k[1])
+    ref_pool.v[1].copy_(pool.v[1])
+    backend = CpuPagedAttention(pool, (None, None), batch_invariant=True)
+    backend.plan(batch)
+    got = backend.forward(1, *qkv)
+    _, expected = run_layer(TorchAttention, ref_pool, batch, qkv, layer=1)
+    assert sorted(len(c.prefix.members) for c in backend._cascades) == [2, 4]
+    assert sorted(c.prefix.length for c in backend._cascades) == [64, 192]
+    assert all(c.fused_decode and c.packed is None for c in backend._cascades)
+    assert len(backend._extends) == 4 and backend.decode_group is not None
+    assert (got.float() - expected.float()).abs().max().item() < tol
 
 
 def test_short_shared_prefix_and_windows_stay_per_sequence():
@@ -185,13 +210,20 @@ def test_engine_outputs_identical_with_cascades(tiny_model_dir):
 
 
 @pytest.mark.skipif(not native_flash_supported(), reason="this CPU lacks AVX-512 BF16")
-def test_engine_outputs_identical_with_fused_decodes(head_dim_64_model_dir):
-    """At head_dim 64, fp32: decodes behind the shared prompt take the fused chunked path
-    every step, and the greedy tokens and prefill counts are the torch reference's."""
+def test_engine_outputs_identical_with_packed_prefixes_and_fused_decodes(head_dim_64_model_dir):
+    """At head_dim 64, fp32: cascades pack their shared prefix once per layer and reuse it
+    across the decode steps, and the greedy tokens and prefill counts are the torch
+    reference's."""
 
     def check(engine):
         attention = engine.runner.attention
+        layers = engine.runner.arch.num_layers
+        packed = attention.packed_prefixes
+        packed.check_integrity()
+        # every decode step of a cascade needs the prefix in every layer; packed once per
+        # layer per prefix, the rest are reuses
         assert attention.cascade_passes >= 12 and attention.fused_decode_passes >= 10
+        assert 0 < packed.packs <= 4 * layers < attention.cascade_passes * layers
 
     model = head_dim_64_model_dir
     assert two_rounds(model, "cpu", check) == two_rounds(model, "torch")

@@ -1,10 +1,10 @@
 """Decodes attended chunk by chunk, so that a token never depends on its batch.
 
 The vectorized decode attends a sequence's keys in chunks of KV_CHUNK positions and merges the
-chunks' results in order. Decodes that share a cached prefix of whole chunks attend it once
-(`prefix_attention`) and continue each row over its own keys (`paged_decode_merge`): every row,
-a verified draft's rows too, must get bit for bit what its sequence attended alone gets, in both
-dtypes, whatever else is in the batch.
+chunks' results in order. In a batch-invariant engine, decodes that share a cached prefix of
+whole chunks attend it once (`prefix_attention`) and continue each row over its own keys
+(`paged_decode_merge`): every row, a verified draft's rows too, must get bit for bit what its
+sequence attended alone gets, in both dtypes, whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -187,13 +187,13 @@ def test_a_decode_computes_the_same_in_any_batch(batch, dtype, seed):
     whole = ForwardBatch.build(ids, slot_lists)
     q = torch.randn(whole.num_tokens, heads, head_dim, generator=gen).to(dtype)
     k, v = torch.randn(2, whole.num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
-    backend = CpuPagedAttention(pool, (None,))
+    backend = CpuPagedAttention(pool, (None,), batch_invariant=True)
     backend.plan(whole)
     together = backend.forward(0, q, k, v)
     start = 0
     for i, n in enumerate(num_new):
         rows = slice(start, start + n)
-        single = CpuPagedAttention(pool, (None,))
+        single = CpuPagedAttention(pool, (None,), batch_invariant=True)
         single.plan(ForwardBatch.build([ids[i]], [slot_lists[i]]))
         assert single._cascades == []
         assert torch.equal(together[rows], single.forward(0, q[rows], k[rows], v[rows])), i
@@ -218,7 +218,7 @@ def test_bf16_greedy_tokens_do_not_depend_on_the_batch(head_dim_64_model_dir):
     def serve(speculative: str, alone: bool) -> list[list[int]]:
         config = EngineConfig(
             model=str(head_dim_64_model_dir), dtype="bfloat16", max_kv_tokens=30_000,
-            speculative=speculative,
+            speculative=speculative, batch_invariant=True,
         )  # fmt: skip
         with Engine(config) as engine:
             inputs = support_agent.make_inputs(engine.tokenizer, "test")

@@ -285,10 +285,12 @@ def test_pool_rows_round_trip():
     from runtime.cache.pool import KVPool
 
     pool = KVPool(num_layers=3, num_slots=8, num_kv_heads=2, head_dim=4)
+    counts = pool.track_writes()
     k = torch.randn(3, 2, 2, 4)
     pool.write_rows(torch.tensor([5, 1]), k, -k)
     got_k, got_v = pool.read_rows(torch.tensor([5, 1]))
     assert torch.equal(got_k, k) and torch.equal(got_v, -k)
+    assert counts.tolist() == [0, 3, 0, 0, 0, 3, 0, 0]  # a packed copy of those rows is stale
 
 
 def test_engines_sharing_a_directory_read_what_another_computed(tmp_path):

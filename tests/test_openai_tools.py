@@ -311,7 +311,7 @@ def test_completions_echo_and_extensions(oc):
 # ---------------------------------------------------------------- templates that know tools
 TOOL_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %} {{ t.function.name }}"
-    "{% endfor %}\nCall as <tool_call>\n{\"name\": ..., \"arguments\": ...}\n</tool_call>"
+    '{% endfor %}\nCall as <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>'
     "<|im_end|>\n{% endif %}"
     "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n"
     "{{ m.content }}\n</tool_response><|im_end|>\n"

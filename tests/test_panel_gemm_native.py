@@ -1,9 +1,10 @@
 """The native panel GEMM (csrc/panel_gemm.cpp) against a float64 reference, and Linear's use of
-it: outside a forward, up to PANEL_MAX_ROWS rows go through it, more through oneDNN, and the two
-agree to the dtype's precision; within a forward, decode-shaped sequences' rows and the logits'
-rows always take it and longer extends' rows oneDNN, so each row gets the bits it gets in any
-other batch. Sizes off the kernel's 48-feature panels, 8-row blocks, 16/32 lanes and bf16 pairs
-(odd in_features) are covered."""
+it: up to PANEL_MAX_ROWS rows go through it, more through oneDNN, and the two agree to the
+dtype's precision; a forward that verifies drafts keeps it up to DECODE_PANEL_MAX_ROWS, each row
+then the bits it gets alone; in a batch-invariant forward, decode-shaped sequences' rows and the
+logits' rows always take it and longer extends' rows oneDNN, so each row gets the bits it gets
+in any other batch. Sizes off the kernel's 48-feature panels, 8-row blocks, 16/32 lanes and bf16
+pairs (odd in_features) are covered."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.model.linear import (
+    DECODE_PANEL_MAX_ROWS,
     PANEL_MAX_ROWS,
     Linear,
+    decode_shaped,
     native_panel_gemm,
     packed_gemm_available,
     routed_rows,
@@ -171,6 +174,29 @@ def test_decode_rows_take_the_panel_however_many(dtype):
     for lens in ((16,) * 16, (1,) * 256):
         with routed_rows(lens):
             assert torch.equal(linear(x), alone)
+    if dtype == torch.bfloat16:  # the rule matters here: oneDNN rounds some elements otherwise
+        assert not torch.equal(onednn, alone)
+    assert torch.equal(linear(x), onednn)  # the context is gone after the forward
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verifying_forward_keeps_every_row_as_it_is_alone(dtype):
+    """A verifying pass (16 requests x a draft of up to 15 and its real token) has up to 256
+    rows: inside `decode_shaped` each row gets exactly what it gets as a one-row decode, where
+    oneDNN (what the same rows get in a prefill-shaped forward) sums in another order."""
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(3072, 576, generator=gen) * 0.05).to(dtype)  # SmolLM2's gate_up
+    linear = Linear(w, None, pack=True)
+    x = torch.randn(DECODE_PANEL_MAX_ROWS, 576, generator=gen).to(dtype)
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(x.shape[0])])
+    onednn = linear(x)  # no forward context: past PANEL_MAX_ROWS, oneDNN
+    with decode_shaped((16,) * 16):
+        assert torch.equal(linear(x), alone)
+        assert torch.equal(linear(x[:40]), alone[:40])
+    with decode_shaped((16,) * 15 + (17,)):  # one sequence extends past a draft: oneDNN
+        assert torch.equal(linear(x), onednn)
+    with decode_shaped((1,) * 256):  # plain decodes keep the limit each GEMM is fastest at
+        assert torch.equal(linear(x), onednn)
     if dtype == torch.bfloat16:  # the rule matters here: oneDNN rounds some elements otherwise
         assert not torch.equal(onednn, alone)
     assert torch.equal(linear(x), onednn)  # the context is gone after the forward

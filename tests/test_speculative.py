@@ -93,6 +93,13 @@ def test_the_index_follows_the_tree_and_guesses_only_what_a_namespace_holds(page
             if guess:  # what it guesses is a real continuation of the context in this namespace
                 assert 3 <= matched <= len(ids)
                 assert occurs(ids[len(ids) - matched :] + guess, paths(cache, namespace))
+            # every guess is one too, and the best is among them
+            every = cache.token_index.guesses(namespace, ids, 8, limit=64)
+            for m, g in every:
+                assert 3 <= m <= len(ids)
+                assert occurs(ids[len(ids) - m :] + g, paths(cache, namespace))
+            best = max(every, key=lambda mg: (mg[0], len(mg[1])), default=(0, []))
+            assert (matched, guess) == best
         cache.check_integrity(num_caller_slots=0)
 
 
@@ -118,6 +125,12 @@ def test_the_longest_matching_context_wins():
     insert(cache, [2, 5, 6, 7, 20, 21], None)  # the most recent, but a shorter match
     assert cache.token_index.continuation(None, [9, 1, 5, 6, 7], 2) == (4, [10, 11])
     assert cache.token_index.continuation(None, [9, 5, 6, 7], 2) == (3, [20, 21])
+    # a token tree's candidates: every matching position, the most recent first
+    assert cache.token_index.guesses(None, [9, 1, 5, 6, 7], 2, limit=8) == [
+        (3, [20, 21]),
+        (4, [10, 11]),
+    ]
+    assert cache.token_index.guesses(None, [9, 1, 5, 6, 7], 2, limit=1) == [(3, [20, 21])]
 
 
 # ---------------------------------------------------------------- scheduler + verify, fake model

@@ -258,8 +258,13 @@ def main() -> None:
         print(f"{'eviction policy':30} {'prefill computed':>17} {'hit rate':>9} {'wall s':>8}")
         for policy in ("lru", "graph"):
             rs = [
-                run_programs(tasks, args.latency_scale, args.rounds, eviction_policy=policy,
-                             max_kv_tokens=args.pressure_kv_tokens)  # fmt: skip
+                run_programs(
+                    tasks,
+                    args.latency_scale,
+                    args.rounds,
+                    eviction_policy=policy,
+                    max_kv_tokens=args.pressure_kv_tokens,
+                )  # fmt: skip
                 for _ in range(args.repeats)
             ]
             med = {k: statistics.median(r[k] for r in rs) for k in ("computed", "hit", "wall")}

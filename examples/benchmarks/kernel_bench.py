@@ -11,6 +11,11 @@ Prints medians (ms) and GFLOP/s (4 * rows * keys * heads * head_dim; causal coun
 With --gemm, the panel GEMM against oneDNN instead, on SmolLM2's four projections (576 -> 1728
 qkv-sized, 576 -> 3072 gate_up, 1536 -> 576 down, 576 -> 576 o) at 16-256 rows: the rows a
 verifying pass keeps on the panel GEMM (runtime/model/linear.py).
+With --backend, the CPU backend's whole attention of one layer (planning excluded) instead: B
+decodes, or B extends of 80 tokens, behind a shared 2,000-token prefix, each with an own cached
+tail (a prefix shared by every sequence of the batch: W1's system prompt), by default or
+batch-invariant (--batch-invariant). Run it in two worktrees (PYTHONPATH=the worktree) to
+compare versions of cpu_backend.py and its kernels.
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from runtime.cache.pool import KVPool
 from runtime.model.attention.cascade import causal_attention_with_lse, flash_attention_with_lse
+from runtime.model.attention.cpu_backend import CpuPagedAttention
+from runtime.model.batch import ForwardBatch
 from runtime.model.native.kernels import load_cpu_kernels
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -112,14 +120,51 @@ def gemm_table(kernels, dtype: torch.dtype, repeats: int) -> None:
         )
 
 
+def backend_table(dtype: torch.dtype, repeats: int, batch_invariant: bool) -> None:
+    """CpuPagedAttention.forward of one layer over decodes or extends behind a shared prefix."""
+    gen = torch.Generator().manual_seed(0)
+    prefix = 2000
+    for kind, new, own in (("decodes", 1, 200), ("extends", 80, 100)):
+        for batch in (1, 8, 32, 64) if kind == "decodes" else (1, 4, 8):
+            per = own + new
+            num_slots = prefix + batch * per
+            pool = KVPool(1, num_slots, KV_HEADS, HEAD_DIM, dtype)
+            pool.k[0].copy_(torch.randn(num_slots, KV_HEADS, HEAD_DIM, generator=gen))
+            pool.v[0].copy_(torch.randn(num_slots, KV_HEADS, HEAD_DIM, generator=gen))
+            slots = [
+                torch.cat(
+                    [torch.arange(prefix), torch.arange(prefix + i * per, prefix + (i + 1) * per)]
+                )
+                for i in range(batch)
+            ]
+            forward = ForwardBatch.build([[1] * new] * batch, slots)
+            q = torch.randn(batch * new, HEADS, HEAD_DIM, generator=gen).to(dtype)
+            k, v = torch.randn(2, batch * new, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+            backend = CpuPagedAttention(pool, (None,), batch_invariant=batch_invariant)
+            backend.plan(forward)
+            ms = median_ms(lambda: backend.forward(0, q, k, v), repeats)  # noqa: B023
+            print(
+                f"| {kind} | {str(dtype).removeprefix('torch.')} | {batch} | {new} | "
+                f"{ms:.3f} | {len(backend._cascades)} |"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--gemm", action="store_true", help="panel GEMM vs oneDNN instead")
+    parser.add_argument("--backend", action="store_true", help="the CPU backend's attention")
+    parser.add_argument("--batch-invariant", action="store_true", help="with --backend")
     args = parser.parse_args()
     kernels = load_cpu_kernels()
     print(f"torch threads: {torch.get_num_threads()}, medians of {args.repeats}\n")
+    if args.backend:
+        print("| batch of | dtype | sequences | new tokens each | ms per layer | cascades |")
+        print("| --- | --- | ---: | ---: | ---: | ---: |")
+        for name in args.dtypes:
+            backend_table(getattr(torch, name), args.repeats, args.batch_invariant)
+        return
     if args.gemm:
         print("| rows | dtype | oneDNN ms | panel ms | panel / oneDNN |")
         print("| ---: | --- | ---: | ---: | ---: |")

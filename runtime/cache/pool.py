@@ -46,16 +46,27 @@ class KVPool:
         # per layer views: (num_slots + scratch_slots, num_kv_heads, head_dim)
         self.k = list(self._k.unbind(0))
         self.v = list(self._v.unbind(0))
+        self.write_counts: torch.Tensor | None = None  # see track_writes
 
     @property
     def nbytes(self) -> int:
         """Bytes of K and V together, scratch rows included (reserved, not all resident)."""
         return self._k.nbytes + self._v.nbytes
 
+    def track_writes(self) -> torch.Tensor:
+        """From now on count, per slot, the layer writes into it: (num_slots + scratch_slots,)
+        int64. A copy made from some slots stays exact while their counts are unchanged."""
+        if self.write_counts is None:
+            size = self.num_slots + self.scratch_slots
+            self.write_counts = torch.zeros(size, dtype=torch.int64, device=self.device)
+        return self.write_counts
+
     def write(self, layer: int, slot_idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V rows (num_tokens, num_kv_heads, head_dim) at `slot_idx` (num_tokens,)."""
         self.k[layer].index_copy_(0, slot_idx, k)
         self.v[layer].index_copy_(0, slot_idx, v)
+        if self.write_counts is not None:
+            self.write_counts.index_add_(0, slot_idx, torch.ones_like(slot_idx))
 
     def read_rows(self, slot_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `slot_idx` (n,) in every layer: (num_layers, n, num_kv_heads, head_dim)
@@ -80,6 +91,8 @@ class KVPool:
         idx = slot_idx.to(self.device)
         self._k.index_copy_(1, idx, k.to(self.device, non_blocking=True))
         self._v.index_copy_(1, idx, v.to(self.device, non_blocking=True))
+        if self.write_counts is not None:
+            self.write_counts.index_add_(0, idx, torch.full_like(idx, self.num_layers))
 
 
 def lazy_zeros(

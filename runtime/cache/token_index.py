@@ -107,7 +107,7 @@ class TokenIndex:
     ) -> tuple[int, list[int]]:
         """The best guess of what follows `context` (its last tokens matter): tokens read on
         from the tree position whose preceding tokens match the longest tail of `context`.
-        Returns (tokens matched, guess); (0, []) when no trigram matches."""
+        Returns (tokens matched, guess); (0, []) when no matching position has a continuation."""
         if len(context) < NGRAM or max_tokens <= 0:
             return 0, []
         space = self._space_ids.get(namespace)
@@ -122,9 +122,26 @@ class TokenIndex:
             if matched < best_len:
                 continue
             guess = self._read_on(space, anchor, max_tokens)
-            if matched > best_len or len(guess) > len(best):
+            if guess and (matched > best_len or len(guess) > len(best)):
                 best_len, best = matched, guess
         return best_len, best
+
+    def guesses(
+        self, namespace: Hashable, context: Sequence[int], max_tokens: int, limit: int
+    ) -> list[tuple[int, list[int]]]:
+        """Every guess of what follows `context`, not only the best: (tokens matched, guess)
+        from the `limit` most recent tree positions whose last three tokens match it (what a
+        token tree of guesses would verify; examples/benchmarks/spec_tree_potential.py)."""
+        space = self._space_ids.get(namespace)
+        if len(context) < NGRAM or max_tokens <= 0 or space is None:
+            return []
+        anchors = self._grams.get((space, context[-3], context[-2], context[-1])) or []
+        found = []
+        for anchor in list(anchors)[::-1][:limit]:
+            guess = self._read_on(space, anchor, max_tokens)
+            if guess:
+                found.append((self._matched_before(space, anchor, context), guess))
+        return found
 
     def _matched_before(self, space: int, slot: int, context: Sequence[int]) -> int:
         """How many tokens of `context`'s tail the path ending at `slot` repeats."""

@@ -7,12 +7,16 @@ summation order (~1e-6 relative in fp32). Decode rows instead go through the nat
 speed at 5-64 rows in fp32 and 5-32 in bf16, 1.3-1.9x at 1-4 rows, about even up to 256. Such a
 Linear keeps both copies. Elsewhere, `F.linear`.
 
+By default a forward of up to PANEL_MAX_ROWS tokens takes the panel, a larger one oneDNN; a
+forward that verifies drafts (every sequence at most MAX_DECODE_ROWS new tokens, some more than
+one) keeps the panel up to DECODE_PANEL_MAX_ROWS rows (`decode_shaped`), so that a verified
+draft's rows sum as the plain decodes they replace.
+
 Each GEMM computes a row's sums in an order of its own, and each computes a row alike whatever
-the other rows (oneDNN from 2 rows up). So within a forward (`routed_rows`, set by the runner)
-the rows of sequences with at most MAX_DECODE_ROWS new tokens (decodes, verified drafts) always
-take the panel, the rows of longer extends always take oneDNN, and the logits' rows always take
-the panel: a token's sums never depend on what else is in its batch. Outside a forward, the
-panel takes up to PANEL_MAX_ROWS rows.
+the other rows (oneDNN from 2 rows up). So in a batch-invariant engine (`routed_rows`) the rows
+of sequences with at most MAX_DECODE_ROWS new tokens always take the panel, the rows of longer
+extends always oneDNN, and the LM head's rows always the panel: a token's sums never depend on
+what else is in its batch.
 """
 
 from __future__ import annotations
@@ -38,9 +42,26 @@ def packed_gemm_available(device: torch.device) -> bool:
     )
 
 
-# Outside a routed forward, at most this many rows go through the panel GEMM: above them
-# oneDNN's is as fast or faster (examples/benchmarks/RESULTS.md, "the panel GEMM").
+# Forwards of at most this many tokens go through the panel GEMM: above them oneDNN's is as
+# fast or faster (examples/benchmarks/RESULTS.md, "the panel GEMM").
 PANEL_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 32}
+# a verifying forward: sequences of at most MAX_DECODE_ROWS new tokens, at most this many rows
+# in all (16 speculating requests); in bf16 the panel can be ~8% slower than oneDNN there
+DECODE_PANEL_MAX_ROWS = 256
+_decode_panel_rows: ContextVar[int] = ContextVar("decode_panel_rows", default=0)
+
+
+@contextmanager
+def decode_shaped(extend_lens: tuple[int, ...]) -> Iterator[None]:
+    """Within it, a forward of these per-sequence new-token counts: when every one is at most
+    MAX_DECODE_ROWS and some are more than 1 (drafts verified, jump-forward), the panel GEMM
+    takes up to DECODE_PANEL_MAX_ROWS rows."""
+    decodes = bool(extend_lens) and 1 < max(extend_lens) <= MAX_DECODE_ROWS
+    token = _decode_panel_rows.set(DECODE_PANEL_MAX_ROWS if decodes else 0)
+    try:
+        yield
+    finally:
+        _decode_panel_rows.reset(token)
 
 
 @dataclass(frozen=True)
@@ -74,8 +95,8 @@ _routes: ContextVar[RowRoutes | None] = ContextVar("row_routes", default=None)
 
 @contextmanager
 def routed_rows(extend_lens: tuple[int, ...]) -> Iterator[None]:
-    """Within it, a forward of these per-sequence new-token counts: its GEMMs route each row
-    by its sequence's shape (see the module's doc)."""
+    """Within it, a forward of a batch-invariant engine with these per-sequence new-token
+    counts: its GEMMs route each row by its sequence's shape (see the module's doc)."""
     token = _routes.set(RowRoutes.of(extend_lens))
     try:
         yield
@@ -99,7 +120,8 @@ def native_panel_gemm(weight: torch.Tensor) -> Any | None:
 
 class Linear:
     """y = x @ weight.T + bias for x (num_tokens, in_features). `logits`: the LM head, whose
-    rows (one per sequence, or a prompt's for its logprobs) always take the panel GEMM."""
+    rows (one per sequence, or a prompt's for its logprobs) take the panel GEMM in a
+    batch-invariant forward, however many."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, logits: bool = False
@@ -118,11 +140,12 @@ class Linear:
         rows = x.shape[0]
         if self._native is None or rows == 0:
             return self._dense(x)
-        if self.logits:
-            return self._panel(x)
         routes = _routes.get()
-        if routes is None or routes.num_tokens != rows:  # outside a forward (or an expert's rows)
-            return self._panel(x) if rows <= self._panel_rows else self._dense(x)
+        if routes is not None and self.logits:
+            return self._panel(x)
+        if routes is None or routes.num_tokens != rows:  # default, or an expert's rows
+            panel_rows = max(self._panel_rows, _decode_panel_rows.get())
+            return self._panel(x) if rows <= panel_rows else self._dense(x)
         if routes.dense is None:
             return self._panel(x)
         if routes.panel is None:

@@ -14,7 +14,7 @@ from runtime.model.arch import ModelArch
 from runtime.model.attention import make_attention_backend
 from runtime.model.batch import ForwardBatch
 from runtime.model.cuda_graph import DecodeGraphs
-from runtime.model.linear import routed_rows
+from runtime.model.linear import decode_shaped, routed_rows
 from runtime.model.llama import LlamaModel
 from runtime.model.loader import load_checkpoint
 
@@ -46,6 +46,7 @@ class ModelRunner:
     ) -> None:
         config = config or EngineConfig()
         self.arch = arch
+        self.batch_invariant = config.batch_invariant
         self.dtype = parse_dtype(config.dtype)
         self.device = _checked_device(config.device)
         self.model = LlamaModel(arch, weights, self.dtype, self.device)
@@ -68,6 +69,7 @@ class ModelRunner:
             arch.num_heads,
             config.page_size,
             arch.attn_softcap,
+            config.batch_invariant,
         )
         self.decode_graphs: DecodeGraphs | None = None
         if graphs and self.attention.supports_decode_graphs:
@@ -92,7 +94,8 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             return self.decode_graphs.run(batch)
         self.attention.plan(batch)
-        with routed_rows(batch.extend_lens):
+        routes = routed_rows if self.batch_invariant else decode_shaped
+        with routes(batch.extend_lens):
             return self.model.forward(batch, self.attention)
 
     @property

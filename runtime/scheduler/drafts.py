@@ -77,9 +77,37 @@ class Drafter:
         n = req.num_tokens
         if limit <= 0 or n < NGRAM:
             return []
-        _index_upto(req, n - 1)
-        tail = req.tokens(max(0, n - MAX_MATCH), n)
-        best_len, best = _lookup(req, tail, limit)
+        tail = self._tail(req)
+        found = self._context_guesses(req, running, tail, limit)
+        if self.index is not None:
+            found.append(self.index.continuation(req.namespace, tail, limit))
+        best_len, best = 0, []
+        for matched, guess in found:
+            if (matched, len(guess)) > (best_len, len(best)):
+                best_len, best = matched, guess
+        return best
+
+    def candidates(self, req: Req, running: Iterable[Req], max_tokens: int) -> list[list[int]]:
+        """Every guess the sources hold for `req` now (its own context, each sibling, each
+        matching tree position), not only the best: what a token tree would verify."""
+        if req.num_tokens < NGRAM:
+            return []
+        tail = self._tail(req)
+        found = self._context_guesses(req, running, tail, max_tokens)
+        if self.index is not None:
+            found += self.index.guesses(req.namespace, tail, max_tokens, limit=32)
+        return [guess for _, guess in found if guess]
+
+    def _tail(self, req: Req) -> list[int]:
+        self._state(req)
+        _index_upto(req, req.num_tokens - 1)
+        return req.tokens(max(0, req.num_tokens - MAX_MATCH), req.num_tokens)
+
+    def _context_guesses(
+        self, req: Req, running: Iterable[Req], tail: list[int], limit: int
+    ) -> list[tuple[int, list[int]]]:
+        """(matched, guess) from the request's own tokens and its running siblings'."""
+        found = [_lookup(req, tail, limit)]
         program = req.hints.program_id
         if program is not None:
             siblings = (
@@ -90,14 +118,8 @@ class Drafter:
             for _, sibling in zip(range(MAX_SIBLINGS), siblings, strict=False):
                 self._state(sibling)
                 _index_upto(sibling, sibling.num_tokens - 1)  # as its own drafts index it
-                matched, guess = _lookup(sibling, tail, limit)
-                if (matched, len(guess)) > (best_len, len(best)):
-                    best_len, best = matched, guess
-        if self.index is not None:
-            matched, guess = self.index.continuation(req.namespace, tail, limit)
-            if (matched, len(guess)) > (best_len, len(best)):
-                best_len, best = matched, guess
-        return best
+                found.append(_lookup(sibling, tail, limit))
+        return found
 
     def _state(self, req: Req) -> SpecState:
         if req.spec is None:

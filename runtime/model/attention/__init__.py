@@ -29,13 +29,15 @@ def make_attention_backend(
     num_heads: int = 0,
     page_size: int = 1,
     softcap: float | None = None,
+    batch_invariant: bool = False,
 ) -> AttentionBackend:
     """The backend called `name` over `pool`; "auto" picks the fastest that works here.
 
     On CPU "auto" is the native kernel ("cpu"); if it cannot be built, the reference
     ("torch", same numerics) is used (runtime.model.native.kernels says why, once). On CUDA
     it is flashinfer when installed, else torch. The chosen name is `backend.name` (and in
-    the engine's stats).
+    the engine's stats). `batch_invariant`: the CPU backend attends each row as its sequence
+    alone would (the other backends are not checked for it).
     """
     if name == "auto":
         # flashinfer takes one window for every layer (Gemma's alternate: the reference then)
@@ -55,7 +57,7 @@ def make_attention_backend(
             raise ValueError("the 'cpu' attention backend needs the pool on the CPU")
         from runtime.model.attention.cpu_backend import CpuPagedAttention
 
-        return CpuPagedAttention(pool, sliding_windows, softcap)
+        return CpuPagedAttention(pool, sliding_windows, softcap, batch_invariant)
     if name == "torch":
         from runtime.model.attention.torch_backend import TorchAttention
 

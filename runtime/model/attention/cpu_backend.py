@@ -3,17 +3,20 @@
 Decode attention is memory-bound; the reference path copies every sequence's K/V out of the
 pool (index_select) and reads it again in SDPA. The native kernel reads each row once, in place,
 with prefetch for scattered slots, and handles a few new tokens per sequence too (jump-forward,
-scoring tails, verified drafts). It attends a sequence's keys in chunks of KV_CHUNK positions.
-Decodes that share a long cached prefix are attended as a cascade
-(runtime/model/attention/cascade.py): the prefix, cut to whole chunks, once for all their rows,
-then each row continued over its own keys, operation for operation as the sequence attended
-alone is (two native calls that read q's rows and write out's rows in place). So a token never
-depends on which requests share its batch.
+scoring tails, verified drafts), attending a sequence's keys in chunks of KV_CHUNK positions.
+Sequences that share a long cached prefix are attended as a cascade
+(runtime/model/attention/cascade.py): the prefix once for all of them in one flash call, each
+suffix alone. A prefix several sequences share is packed for the flash kernel once and kept
+across steps (packed_prefixes.py); when every member is a decode (one row, or a verified
+draft's few), the prefix and the suffixes run as two native calls that read q's rows and write
+out's rows in place (no gathers, scatters or separate merge). Long extends with no shared
+prefix stay with SDPA.
 
-Extends take the native flash kernel sequence by sequence (it aligns causality to the last keys
-itself; like the chunked decode, a row's result depends on its own keys alone). Without that
-kernel (no AVX-512 BF16), extends behind a shared prefix are cascades too, attended with torch's
-flash, and long extends with no shared prefix stay with SDPA.
+Batch-invariant (`batch_invariant=True`): a token is computed the same way whatever shares its
+batch. Decodes group only with decodes, behind a prefix cut to whole chunks, which the native
+decode attends once for all their rows and continues per row over its own keys, operation for
+operation as the sequence attended alone; extends take the flash kernel one by one. The flash
+cascade is 2-3x faster on the shared prefix at 8-64 decodes in bf16, so it is the default.
 """
 
 from __future__ import annotations
@@ -31,8 +34,12 @@ from runtime.model.attention.cascade import (
     in_whole_chunks,
     prefix_of_one,
 )
+from runtime.model.attention.packed_prefixes import PackedPrefix, PackedPrefixes
 from runtime.model.attention.torch_backend import SeqSpan, TorchAttention
 from runtime.model.native.kernels import KV_CHUNK, MAX_DECODE_ROWS
+
+# packed shared prefixes kept across steps; W1's two (2k and 512 tokens) take ~60 MB in bf16
+PACKED_PREFIX_BYTES = 256 << 20
 
 
 @dataclass
@@ -68,8 +75,10 @@ class _Cascade:
     rows: torch.Tensor  # (num_rows,) token rows of every member
     short: PagedDecodes | None  # members with few new tokens; rows local to `rows`
     long: list[_LongSuffix]
-    # every member a decode of at most MAX_DECODE_ROWS rows behind whole KV_CHUNKs: the prefix
-    # and each suffix run as two native calls, each row as its sequence alone computes it
+    packed: PackedPrefix | None  # the prefix packed for flash, kept across steps
+    # every member a decode of at most MAX_DECODE_ROWS rows: the prefix (by flash from `packed`,
+    # or batch-invariant by the native decode over whole chunks) and each suffix run as two
+    # native calls that read q's rows and write out's rows in place
     fused_decode: bool
 
 
@@ -78,7 +87,7 @@ class CpuPagedAttention(TorchAttention):
     max_kernel_extend = 32
     min_shared_tokens = 64  # below this a shared prefix is cheaper attended per sequence
 
-    def __init__(self, pool, sliding_windows, softcap=None) -> None:
+    def __init__(self, pool, sliding_windows, softcap=None, batch_invariant=False) -> None:
         super().__init__(pool, sliding_windows, softcap)
         from runtime.model.native.kernels import load_cpu_kernels, native_flash_supported
 
@@ -95,17 +104,21 @@ class CpuPagedAttention(TorchAttention):
             and head_dim in (64, 128)
             and native_flash_supported()
         )
-        if self._native_flash and self._cascade_enabled:
+        self.batch_invariant = batch_invariant and self._native_flash
+        if self.batch_invariant and self._cascade_enabled:
             # an extend takes the chunked decode (a draft's rows at most) or the flash kernel:
             # two ways of computing a row, not three
             self.max_kernel_extend = MAX_DECODE_ROWS
         self.cascade_passes = 0  # forward passes that attended a shared prefix once
-        self.fused_decode_passes = 0  # ... of which decodes behind a shared prefix, fused
+        self.fused_decode_passes = 0  # ... of which decodes behind a packed prefix, fused
+        self.packed_prefixes = (
+            PackedPrefixes(pool, self._kernels, PACKED_PREFIX_BYTES) if self._native_flash else None
+        )
 
     def plan_sequences(self, seqs: list[SeqSpan]) -> None:
         """Cascades for the sequences that share a long cached prefix; the rest as before."""
         shared = []
-        if self._cascade_enabled and self._native_flash:
+        if self._cascade_enabled and self.batch_invariant:
             # decodes only, behind whole chunks: extends take the flash kernel one by one
             lens = [s.prefix_len if s.num_new <= MAX_DECODE_ROWS else 0 for s in seqs]
             groups = find_shared_prefixes([s.slots for s in seqs], lens, self.min_shared_tokens)
@@ -113,9 +126,8 @@ class CpuPagedAttention(TorchAttention):
             shared = [g for g in shared if g.length >= self.min_shared_tokens]
         elif self._cascade_enabled:
             prefix_lens = [s.prefix_len for s in seqs]
-            shared = find_shared_prefixes(
-                [s.slots for s in seqs], prefix_lens, self.min_shared_tokens
-            )
+            slots = [s.slots for s in seqs]
+            shared = find_shared_prefixes(slots, prefix_lens, self.min_shared_tokens)
             grouped = {i for group in shared for i in group.members}
             # a long extend after a long cached prefix is a cascade of one: the prefix needs
             # no mask (folded flash), the new tokens plain causal attention
@@ -127,6 +139,8 @@ class CpuPagedAttention(TorchAttention):
                 and seq.prefix_len >= self.min_shared_tokens
             ]
         in_cascade = {i for group in shared for i in group.members}
+        if self.packed_prefixes is not None:
+            self.packed_prefixes.begin_step()
         self._cascades = [self._plan_cascade(group, seqs) for group in shared]
         self.cascade_passes += bool(self._cascades)
         self.fused_decode_passes += any(c.fused_decode for c in self._cascades)
@@ -177,8 +191,14 @@ class CpuPagedAttention(TorchAttention):
         short = paged_decodes(short_rows, short_slots, short_new) if short_rows else None
         # a prefix shared by several sequences is met again next step; one sequence's own
         # prefix grows by its chunk each step, so it is packed per call instead
-        fused = self._native_flash and not long and prefix.length % KV_CHUNK == 0
-        return _Cascade(prefix, torch.tensor(rows), short, long, fused)
+        decodes = not long and all(seqs[i].num_new <= MAX_DECODE_ROWS for i in prefix.members)
+        if self.batch_invariant:  # planned so: decodes behind whole chunks
+            return _Cascade(prefix, torch.tensor(rows), short, long, None, decodes)
+        packed = None
+        if self.packed_prefixes is not None and len(prefix.members) > 1:
+            packed = self.packed_prefixes.get(prefix.slots)
+        fused = decodes and packed is not None
+        return _Cascade(prefix, torch.tensor(rows), short, long, packed, fused)
 
     def attend_into(
         self,
@@ -213,19 +233,22 @@ class CpuPagedAttention(TorchAttention):
     def _attend_decodes_fused(
         self, layer: int, cascade: _Cascade, q: torch.Tensor, out: torch.Tensor
     ) -> None:
-        """Decodes (one row or a draft's few each) behind a prefix of whole chunks: q
-        (num_tokens, heads, d) -> their rows of out. The prefix's fp32 result for every row, then
-        each row continued over its own keys and rounded once."""
+        """Decodes (one row or a draft's few each) behind a shared prefix: q (num_tokens, heads,
+        d) -> their rows of out, each row's prefix result continued over its own keys inside the
+        paged kernel, in fp32, and rounded once."""
         scale = q.shape[-1] ** -0.5
-        k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
-        out_prefix, lse_prefix = self._kernels.prefix_attention(
-            q, cascade.rows, k_pool, v_pool, cascade.prefix.slots, scale
-        )
+        if cascade.packed is None:  # batch-invariant: the native decode over whole chunks
+            out_prefix, lse_prefix = self._kernels.prefix_attention(
+                q, cascade.rows, self.pool.k[layer], self.pool.v[layer], cascade.prefix.slots, scale
+            )
+        else:
+            out_prefix, lse_prefix = self._packed_prefix_attention(layer, cascade, q, scale)
+            out_prefix = out_prefix.float()
         short = cascade.short
         self._kernels.paged_decode_merge(
             q,
-            k_pool,
-            v_pool,
+            self.pool.k[layer],
+            self.pool.v[layer],
             short.slots,
             short.indptr,
             short.qo_indptr,
@@ -236,6 +259,16 @@ class CpuPagedAttention(TorchAttention):
             out,
         )
 
+    def _packed_prefix_attention(
+        self, layer: int, cascade: _Cascade, q_all: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The members' rows of q_all over the kept packed prefix: out (num_rows, heads, d),
+        lse (num_rows, heads)."""
+        k_packed, v_packed = self.packed_prefixes.packed(cascade.packed, layer)
+        return self._kernels.flash_attention_packed(
+            q_all, cascade.rows, k_packed, v_packed, cascade.packed.length, scale, False
+        )
+
     def _attend_cascade(
         self, layer: int, cascade: _Cascade, q_all: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
@@ -243,8 +276,11 @@ class CpuPagedAttention(TorchAttention):
         k/v (num_tokens, kv_heads, d): the batch's new K/V rows."""
         q = q_all[cascade.rows]
         scale = q.shape[-1] ** -0.5
-        k_prefix, v_prefix = self._prefix_kv(layer, cascade.prefix)
-        out_prefix, lse_prefix = self._flash(q, k_prefix, v_prefix, scale, causal=False)
+        if cascade.packed is not None:
+            out_prefix, lse_prefix = self._packed_prefix_attention(layer, cascade, q_all, scale)
+        else:
+            k_prefix, v_prefix = self._prefix_kv(layer, cascade.prefix)
+            out_prefix, lse_prefix = self._flash(q, k_prefix, v_prefix, scale, causal=False)
         out_suffix = torch.empty_like(q)
         lse_suffix = torch.empty(q.shape[:2], dtype=torch.float32)
         if cascade.short is not None:
