@@ -46,6 +46,34 @@ def shared_batch(prefix: torch.Tensor, tails: list[tuple[int, int]], gen, free: 
     return slot_lists, new_ids, free[used:]
 
 
+def mixed_batch(dtype: torch.dtype, head_dim: int, contiguous: bool):
+    """Two groups behind shared prefixes and three loners, over a random pool (layer 1) and its
+    copy for the reference: (pool, ref_pool, batch, qkv)."""
+    gen = torch.Generator().manual_seed(1)
+    pool = KVPool(2, NUM_SLOTS, KV_HEADS, head_dim, dtype)
+    for layer in range(2):
+        pool.k[layer].copy_(torch.randn(NUM_SLOTS, KV_HEADS, head_dim, generator=gen))
+        pool.v[layer].copy_(torch.randn(NUM_SLOTS, KV_HEADS, head_dim, generator=gen))
+    order = torch.arange(NUM_SLOTS) if contiguous else torch.randperm(NUM_SLOTS, generator=gen)
+    prefix_a, prefix_b, free = order[100:300], order[300:380], order[400:]
+    # group A: decodes, a short extend, long extends with and without an own cached tail
+    a_slots, a_ids, free = shared_batch(
+        prefix_a, [(5, 1), (0, 1), (40, 1), (17, 9), (0, 70), (33, 48)], gen, free
+    )
+    # group B: two decodes
+    b_slots, b_ids, free = shared_batch(prefix_b, [(3, 1), (12, 1)], gen, free)
+    # loners: a decode, a fresh prefill, a long extend after its own cached prefix
+    lone_slots = [free[:50], free[50:90], free[90:250]]
+    lone_ids = [[7], torch.randint(0, 100, (40,), generator=gen).tolist(), [3] * 60]
+    batch = ForwardBatch.build(a_ids + b_ids + lone_ids, a_slots + b_slots + lone_slots)
+    qkv = random_qkv(batch.num_tokens, dtype, gen, head_dim)
+    ref_pool = KVPool(2, NUM_SLOTS, KV_HEADS, head_dim, dtype)
+    for layer in range(2):
+        ref_pool.k[layer].copy_(pool.k[layer])
+        ref_pool.v[layer].copy_(pool.v[layer])
+    return pool, ref_pool, batch, qkv
+
+
 @pytest.mark.parametrize(
     "dtype,head_dim,tol",
     [
@@ -58,28 +86,7 @@ def shared_batch(prefix: torch.Tensor, tails: list[tuple[int, int]], gen, free: 
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_cascade_matches_reference(dtype, head_dim, tol, contiguous):
     """head_dim 64 takes the native flash kernel where the CPU has AVX-512 BF16; 16 torch's."""
-    gen = torch.Generator().manual_seed(1)
-    pool = KVPool(2, NUM_SLOTS, KV_HEADS, head_dim, dtype)
-    for layer in range(2):
-        pool.k[layer].copy_(torch.randn(NUM_SLOTS, KV_HEADS, head_dim, generator=gen))
-        pool.v[layer].copy_(torch.randn(NUM_SLOTS, KV_HEADS, head_dim, generator=gen))
-    order = torch.arange(NUM_SLOTS) if contiguous else torch.randperm(NUM_SLOTS, generator=gen)
-    prefix_a, prefix_b, free = order[100:300], order[300:380], order[400:]
-    # group A: decodes, a short extend, long extends with and without an own cached tail
-    a_slots, a_ids, free = shared_batch(
-        prefix_a, [(5, 1), (0, 1), (40, 1), (17, 9), (0, 70), (33, 48)], gen, free
-    )
-    # group B: two decodes; then loners (no shared prefix): a decode and a fresh prefill
-    b_slots, b_ids, free = shared_batch(prefix_b, [(3, 1), (12, 1)], gen, free)
-    # loners: a decode, a fresh prefill, a long extend after its own cached prefix
-    lone_slots = [free[:50], free[50:90], free[90:250]]
-    lone_ids = [[7], torch.randint(0, 100, (40,), generator=gen).tolist(), [3] * 60]
-    batch = ForwardBatch.build(a_ids + b_ids + lone_ids, a_slots + b_slots + lone_slots)
-    qkv = random_qkv(batch.num_tokens, dtype, gen, head_dim)
-    ref_pool = KVPool(2, NUM_SLOTS, KV_HEADS, head_dim, dtype)
-    for layer in range(2):
-        ref_pool.k[layer].copy_(pool.k[layer])
-        ref_pool.v[layer].copy_(pool.v[layer])
+    pool, ref_pool, batch, qkv = mixed_batch(dtype, head_dim, contiguous)
     backend, got = run_layer(CpuPagedAttention, pool, batch, qkv, layer=1)
     _, expected = run_layer(TorchAttention, ref_pool, batch, qkv, layer=1)
     assert sorted(len(c.prefix.members) for c in backend._cascades) == [1, 2, 6]
@@ -95,26 +102,10 @@ def test_cascade_matches_reference(dtype, head_dim, tol, contiguous):
 @pytest.mark.skipif(not native_flash_supported(), reason="this CPU lacks AVX-512 BF16")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_batch_invariant_cascades_hold_decodes_only_behind_whole_chunks(dtype, tol):
-    """Batch-invariant: the same batch as above; decodes group apart behind whole chunks (A's
-    200 slots cut to 192, B's 80 to 64), every extend past 16 new tokens (A's two long ones,
-    two loners) takes flash on its own, and the results are still the reference's."""
-    gen = torch.Generator().manual_seed(1)
-    pool = KVPool(2, NUM_SLOTS, KV_HEADS, 64, dtype)
-    pool.k[1].copy_(torch.randn(NUM_SLOTS, KV_HEADS, 64, generator=gen))
-    pool.v[1].copy_(torch.randn(NUM_SLOTS, KV_HEADS, 64, generator=gen))
-    order = torch.randperm(NUM_SLOTS, generator=gen)
-    prefix_a, prefix_b, free = order[100:300], order[300:380], order[400:]
-    a_slots, a_ids, free = shared_batch(
-        prefix_a, [(5, 1), (0, 1), (40, 1), (17, 9), (0, 70), (33, 48)], gen, free
-    )
-    b_slots, b_ids, free = shared_batch(prefix_b, [(3, 1), (12, 1)], gen, free)
-    lone_slots = [free[:50], free[50:90], free[90:250]]
-    lone_ids = [[7], torch.randint(0, 100, (40,), generator=gen).tolist(), [3] * 60]
-    batch = ForwardBatch.build(a_ids + b_ids + lone_ids, a_slots + b_slots + lone_slots)
-    qkv = random_qkv(batch.num_tokens, dtype, gen, 64)
-    ref_pool = KVPool(2, NUM_SLOTS, KV_HEADS, 64, dtype)
-    ref_pool.k[1].copy_(pool.k[1])
-    ref_pool.v[1].copy_(pool.v[1])
+    """Batch-invariant, the same batch: decodes group apart behind whole chunks (A's 200 slots
+    cut to 192, B's 80 to 64), every extend past 16 new tokens (A's two long ones, two loners)
+    takes flash on its own, and the results are still the reference's."""
+    pool, ref_pool, batch, qkv = mixed_batch(dtype, 64, contiguous=False)
     backend = CpuPagedAttention(pool, (None, None), batch_invariant=True)
     backend.plan(batch)
     got = backend.forward(1, *qkv)
