@@ -25,10 +25,11 @@ pytestmark = pytest.mark.skipif(
 
 
 def alone(kernels, q_row, pool_k, pool_v, keys, scale):
-    """One query row decoded over `keys` as a batch of one sequence: (H, D) in q's dtype."""
+    """One query row decoded over `keys` as a batch of one sequence, in chunks as a
+    batch-invariant engine does: (H, D) in q's dtype."""
     out, _ = kernels.paged_attention(
         q_row[None].contiguous(), pool_k, pool_v, keys, torch.tensor([0, keys.numel()]),
-        torch.tensor([0, 1]), scale, 0, 0.0,
+        torch.tensor([0, 1]), scale, 0, 0.0, KV_CHUNK,
     )  # fmt: skip
     return out[0]
 
@@ -78,7 +79,7 @@ def test_a_shared_prefix_continues_as_each_sequence_alone(
     out = torch.full_like(q, 7.0)
     kernels.paged_decode_merge(
         q, pool_k, pool_v, torch.cat(suffixes), kv_indptr, qo_indptr, rows, prefix_out,
-        prefix_lse, scale, out,
+        prefix_lse, scale, KV_CHUNK, out,
     )  # fmt: skip
     worst = 0.0
     for b, (n, suffix) in enumerate(zip(rows_per_member, suffixes, strict=True)):
@@ -130,7 +131,7 @@ def test_the_fused_kernels_refuse_mismatched_inputs():
         with pytest.raises(RuntimeError, match=message):
             kernels.paged_decode_merge(
                 call["q"], pool, pool, call["slots"], call["kv_indptr"], call["qo"], call["rows"],
-                call["prefix_out"], call["prefix_lse"], 0.1, call["out"],
+                call["prefix_out"], call["prefix_lse"], 0.1, KV_CHUNK, call["out"],
             )  # fmt: skip
     rows = torch.tensor([0, 1])
     with pytest.raises(RuntimeError, match=f"100 keys; whole chunks of {KV_CHUNK} expected"):

@@ -170,7 +170,7 @@ def test_paged_kernel_matches_reference_with_window_and_bf16(head_dim):
             )
         expected, expected_lse = torch.cat(expected), torch.cat(expected_lse)
         got, lse = kernels.paged_attention(
-            q, k_pool, v_pool, slots, kv_indptr, qo_indptr, head_dim**-0.5, window, 0.0
+            q, k_pool, v_pool, slots, kv_indptr, qo_indptr, head_dim**-0.5, window, 0.0, 0
         )
         assert close(got, expected) < 1e-5
         assert close(lse, expected_lse) < 1e-5
@@ -184,6 +184,7 @@ def test_paged_kernel_matches_reference_with_window_and_bf16(head_dim):
             head_dim**-0.5,
             window,
             0.0,
+            0,
         )
         assert close(got16.float(), expected) < 3e-2
         assert close(lse16, expected_lse) < 3e-2
@@ -221,7 +222,7 @@ def test_paged_kernel_split_by_kv_head_changes_nothing(dtype):
     kv_indptr = torch.arange(0, num_seqs * kv_len + 1, kv_len)
     qo_indptr = torch.arange(num_seqs + 1)
     batch, batch_lse = kernels.paged_attention(
-        q, k_pool, v_pool, slots, kv_indptr, qo_indptr, 0.125, 0, 0.0
+        q, k_pool, v_pool, slots, kv_indptr, qo_indptr, 0.125, 0, 0.0, 0
     )
     for b in (0, 17, 39):
         one, one_lse = kernels.paged_attention(
@@ -234,6 +235,7 @@ def test_paged_kernel_split_by_kv_head_changes_nothing(dtype):
             0.125,
             0,
             0.0,
+            0,
         )
         assert torch.equal(one[0], batch[b])
         assert torch.equal(one_lse[0], batch_lse[b])

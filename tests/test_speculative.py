@@ -365,10 +365,13 @@ def test_engine_outputs_are_unchanged_with_stops_logprobs_grammars_and_penalties
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,num_rows", [(64, 5), (128, 9), (64, 16)])
-def test_the_native_kernel_verifies_a_draft_as_single_decodes_would(dtype, head_dim, num_rows):
+@pytest.mark.parametrize("kv_chunk", [0, 64])
+def test_the_native_kernel_verifies_a_draft_as_single_decodes_would(
+    dtype, head_dim, num_rows, kv_chunk
+):
     """n new rows of one sequence in one call (causal among them) give bit for bit what n
-    single-row decodes over the growing prefix give: a verified draft sees exactly the plain
-    decode's attention."""
+    single-row decodes over the growing prefix give, keys at once or in chunks of 64: a
+    verified draft sees exactly the plain decode's attention."""
     from runtime.model.native.kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels()
@@ -388,6 +391,7 @@ def test_the_native_kernel_verifies_a_draft_as_single_decodes_would(dtype, head_
         scale,
         0,
         0.0,
+        kv_chunk,
     )
     for r in range(num_rows):
         visible = kv_len - num_rows + r + 1
@@ -401,6 +405,7 @@ def test_the_native_kernel_verifies_a_draft_as_single_decodes_would(dtype, head_
             scale,
             0,
             0.0,
+            kv_chunk,
         )
         assert torch.equal(got[r], one[0]), r
         assert torch.equal(lse[r], one_lse[0]), r

@@ -79,7 +79,7 @@ def decode_row(kernels, dtype: torch.dtype, repeats: int) -> tuple:
     scale = HEAD_DIM**-0.5
 
     def native():
-        kernels.paged_attention(q, pool_k, pool_v, slots, indptr, qo_indptr, scale, 0, 0.0)
+        kernels.paged_attention(q, pool_k, pool_v, slots, indptr, qo_indptr, scale, 0, 0.0, 0)
 
     def reference():  # gather each sequence's K/V, then SDPA with grouped heads
         k = pool_k[slots].view(num_seqs, context, KV_HEADS, HEAD_DIM).transpose(1, 2)

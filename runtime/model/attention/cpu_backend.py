@@ -3,7 +3,7 @@
 Decode attention is memory-bound; the reference path copies every sequence's K/V out of the
 pool (index_select) and reads it again in SDPA. The native kernel reads each row once, in place,
 with prefetch for scattered slots, and handles a few new tokens per sequence too (jump-forward,
-scoring tails, verified drafts), attending a sequence's keys in chunks of KV_CHUNK positions.
+scoring tails, verified drafts).
 Sequences that share a long cached prefix are attended as a cascade
 (runtime/model/attention/cascade.py): the prefix once for all of them in one flash call, each
 suffix alone. A prefix several sequences share is packed for the flash kernel once and kept
@@ -13,9 +13,10 @@ out's rows in place (no gathers, scatters or separate merge). Long extends with 
 prefix stay with SDPA.
 
 Batch-invariant (`batch_invariant=True`): a token is computed the same way whatever shares its
-batch. Decodes group only with decodes, behind a prefix cut to whole chunks, which the native
-decode attends once for all their rows and continues per row over its own keys, operation for
-operation as the sequence attended alone; extends take the flash kernel one by one. The flash
+batch. The native decode attends a sequence's keys in chunks of KV_CHUNK positions; decodes
+group only with decodes, behind a prefix cut to whole chunks, which it attends once for all
+their rows and continues per row over its own keys, operation for operation as the sequence
+attended alone; extends take the flash kernel one by one. The flash
 cascade is 2-3x faster on the shared prefix at 8-64 decodes in bf16, so it is the default.
 """
 
@@ -105,6 +106,7 @@ class CpuPagedAttention(TorchAttention):
             and native_flash_supported()
         )
         self.batch_invariant = batch_invariant and self._native_flash
+        self._kv_chunk = KV_CHUNK if self.batch_invariant else 0  # 0: a sequence's keys at once
         if self.batch_invariant and self._cascade_enabled:
             # an extend takes the chunked decode (a draft's rows at most) or the flash kernel:
             # two ways of computing a row, not three
@@ -169,6 +171,7 @@ class CpuPagedAttention(TorchAttention):
             q.shape[-1] ** -0.5,
             window or 0,
             self.softcap or 0.0,
+            self._kv_chunk,
         )
 
     def _plan_cascade(self, prefix: SharedPrefix, seqs: list[SeqSpan]) -> _Cascade:
@@ -256,6 +259,7 @@ class CpuPagedAttention(TorchAttention):
             out_prefix,
             lse_prefix,
             scale,
+            self._kv_chunk,
             out,
         )
 

@@ -32,8 +32,8 @@ DISABLE_VAR = "FLOWLANG_NATIVE_KERNELS"
 # new rows of one sequence the paged kernels take as single-row decodes, bit for bit (a draft
 # of up to 15 and its real token): csrc/paged_attention.cpp's kMaxDecodeRows
 MAX_DECODE_ROWS = 16
-# keys the vectorized decodes attend per chunk, merging chunk results in order, so that a shared
-# prefix of whole chunks attended once continues exactly: csrc/paged_attention.cpp's kKvChunk
+# keys a batch-invariant engine's decodes attend per chunk, merging chunk results in order, so that
+# a shared prefix of whole chunks attended once continues exactly: paged_attention.cpp's kKvChunk
 KV_CHUNK = 64
 PROGRESS_EVERY_S = 30.0
 
@@ -129,12 +129,13 @@ def start_building() -> None:
 
 def load_cpu_kernels() -> Any:
     """The ops namespace (waits for the build): `paged_attention(q, k_pool, v_pool, slots,
-    kv_indptr, qo_indptr, scale, window, softcap)` (softcap 0 leaves the scores uncapped), and
+    kv_indptr, qo_indptr, scale, window, softcap, kv_chunk)` (softcap 0 leaves the scores
+    uncapped; kv_chunk 0 attends a sequence's keys at once, KV_CHUNK as batch-invariant), and
     `flash_attention(q, k, v, scale, causal)` (bf16, fp32) where `native_flash_supported()`,
     with its two halves `flash_pack(k_pool, v_pool, slots)` (keys gathered by slot and packed
     for it) and `flash_attention_packed(q, q_rows, k_packed, v_packed, length, scale, causal)`
     (the query rows q_rows of q), `paged_decode_merge(q, k_pool, v_pool, slots, kv_indptr,
-    qo_indptr, rows, prefix_out, prefix_lse, scale, out)` (decodes of up to 16 rows each,
+    qo_indptr, rows, prefix_out, prefix_lse, scale, kv_chunk, out)` (decodes of up to 16 rows each,
     continuing `prefix_attention(q, rows, k_pool, v_pool, prefix_slots, scale)`'s fp32 result
     over a shared prefix of whole KV_CHUNKs, written into out's rows),
     `merge_attention(out_a, lse_a, out_b, lse_b)`, and

@@ -21,12 +21,13 @@ inline float to_float(scalar_t x) { return static_cast<float>(x); }
 // New rows of one sequence the vectorized decode takes (a draft + 1).
 constexpr int64_t kMaxDecodeRows = 16;
 
-// Keys are attended in chunks of kKvChunk positions, aligned to the sequence's first key, and
-// each chunk's result is merged into the running one in order. A row's result then depends on
-// its own keys alone: a shared prefix of whole chunks attended once for many sequences
-// (prefix_attention) and continued per sequence (paged_decode_merge) computes every operation
-// that the sequence attended alone computes, so batching never changes a token, in any dtype
-// (the vectorized decodes; windows and soft-capping take the general kernel, unchunked).
+// Batch-invariant engines attend keys in chunks of kKvChunk positions (the callers' kv_chunk),
+// aligned to the sequence's first key, and merge each chunk's result into the running one in
+// order. A row's result then depends on its own keys alone: a shared prefix of whole chunks
+// attended once for many sequences (prefix_attention) and continued per sequence
+// (paged_decode_merge) computes every operation that the sequence attended alone computes, so
+// batching never changes a token, in any dtype (the vectorized decodes; windows and
+// soft-capping take the general kernel, unchunked). kv_chunk 0: all keys as one chunk.
 constexpr int64_t kKvChunk = 64;
 
 // Slots are scattered after eviction churn: fetch rows a few steps ahead of use.
@@ -368,20 +369,21 @@ inline void merge_into(float* o, float* lse, const float* oc, float lsec, int64_
 
 // decode_heads chunk by chunk: n rows over L keys (causal: the rows are the last positions, as
 // in decode_one; else every row sees every key), fp32 out (n, H, D) and lse (n, H) for KV heads
-// [hk0, hk1). `resume`: out/lse already hold the rows' attention over earlier whole chunks of
-// keys (a shared prefix), which these keys continue.
+// [hk0, hk1), `chunk` keys at a time (0: all at once). `resume`: out/lse already hold the rows'
+// attention over earlier keys (a shared prefix), which these keys continue.
 template <typename scalar_t>
 void decode_chunked(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_pool,
                     const int64_t* seq, int64_t L, int64_t n, bool causal, bool resume,
                     float* out, float* lse, int64_t H, int64_t KVH, int64_t D, float scale,
                     std::vector<float>& scores, std::vector<float>& acc,
                     std::vector<float>& qf, std::vector<float>& chunk_out,
-                    std::vector<float>& chunk_lse, int64_t hk0, int64_t hk1) {
+                    std::vector<float>& chunk_lse, int64_t hk0, int64_t hk1, int64_t chunk) {
   const int64_t G = H / KVH, h0 = hk0 * G, h1 = hk1 * G;
+  const int64_t step = chunk > 0 ? chunk : std::max<int64_t>(L, 1);
   chunk_out.resize(n * H * D);
   chunk_lse.resize(n * H);
-  for (int64_t c0 = 0; c0 < L; c0 += kKvChunk) {
-    const int64_t count = std::min<int64_t>(kKvChunk, L - c0);
+  for (int64_t c0 = 0; c0 < L; c0 += step) {
+    const int64_t count = std::min<int64_t>(step, L - c0);
     // causal: rows before r0 end before this chunk (a draft's first rows, in its last chunk)
     const int64_t r0 = causal ? std::max<int64_t>(0, c0 - (L - n)) : 0;
     const int64_t first_keys = causal ? L - n + r0 + 1 - c0 : count;
@@ -420,7 +422,8 @@ void attention_kernel(
     const int64_t* qo_indptr,   // (B + 1,) offsets into q rows
     scalar_t* out,              // (T, H, D)
     float* lse,                 // (T, H): log-sum-exp of the scaled scores
-    int64_t B, int64_t H, int64_t KVH, int64_t D, float scale, int64_t window, float softcap) {
+    int64_t B, int64_t H, int64_t KVH, int64_t D, float scale, int64_t window, float softcap,
+    int64_t kv_chunk) {
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;  // one slot's K (or V) for all kv heads: contiguous
   // One task per sequence: each K/V row is read once, whole, for every head and query row.
@@ -444,7 +447,7 @@ void attention_kernel(
           head_out.resize(n * H * D);
           decode_chunked(q + qo_indptr[b] * H * D, k_pool, v_pool, seq, L, n, true, false,
                          head_out.data(), lse + qo_indptr[b] * H, H, KVH, D, scale, scores, acc,
-                         qf, chunk_out, chunk_lse, hk0, hk1);
+                         qf, chunk_out, chunk_lse, hk0, hk1, kv_chunk);
           for (int64_t r = 0; r < n; ++r)
             store_rounded(ob + (r * H + hk0 * G) * D, head_out.data() + (r * H + hk0 * G) * D,
                           (hk1 - hk0) * G * D);
@@ -524,7 +527,8 @@ template <typename scalar_t>
 void decode_merge_kernel(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_pool,
                          const int64_t* slots, const int64_t* kv_indptr, const int64_t* qo_indptr,
                          const int64_t* rows, const float* prefix_out, const float* prefix_lse,
-                         scalar_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D, float scale) {
+                         scalar_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D, float scale,
+                         int64_t kv_chunk) {
   const int64_t G = H / KVH;
   const int64_t parts = B < 4 * at::get_num_threads() ? KVH : 1;
   at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
@@ -544,7 +548,7 @@ void decode_merge_kernel(const scalar_t* q, const scalar_t* k_pool, const scalar
         }
       decode_chunked(q + rows[i0] * H * D, k_pool, v_pool, slots + kv_indptr[b], L, n, true,
                      true, head_out.data(), head_lse.data(), H, KVH, D, scale, scores, acc, qf,
-                     chunk_out, chunk_lse, hk0, hk1);
+                     chunk_out, chunk_lse, hk0, hk1, kv_chunk);
       for (int64_t r = 0; r < n; ++r)
         store_rounded(out + (rows[i0 + r] * H + h0) * D, head_out.data() + (r * H + h0) * D,
                       (h1 - h0) * D);
@@ -568,7 +572,7 @@ void prefix_kernel(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_
       const int64_t r0 = blk * kRowBlock, n = std::min<int64_t>(kRowBlock, R - r0);
       decode_chunked(q + r0 * H * D, k_pool, v_pool, slots, L, n, false, false,
                      out + r0 * H * D, lse + r0 * H, H, KVH, D, scale, scores, acc, qf,
-                     chunk_out, chunk_lse, hk, hk + 1);
+                     chunk_out, chunk_lse, hk, hk + 1, kKvChunk);
     }
   });
 }
@@ -580,7 +584,8 @@ void paged_decode_merge(const at::Tensor& q, const at::Tensor& k_pool,
                         const at::Tensor& v_pool, const at::Tensor& slots,
                         const at::Tensor& kv_indptr, const at::Tensor& qo_indptr,
                         const at::Tensor& rows, const at::Tensor& prefix_out,
-                        const at::Tensor& prefix_lse, double scale, at::Tensor out) {
+                        const at::Tensor& prefix_lse, double scale, int64_t kv_chunk,
+                        at::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(),
               "q (T,H,D) and pools (S,KVH,D) expected");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
@@ -602,6 +607,7 @@ void paged_decode_merge(const at::Tensor& q, const at::Tensor& k_pool,
                   prefix_out.size(2) == D && prefix_lse.numel() == R * H,
               "prefix_out (rows, H, D) and prefix_lse (rows, H) expected");
   TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  TORCH_CHECK(kv_chunk >= 0, "kv_chunk must be 0 (one chunk) or more, not ", kv_chunk);
   const int64_t* r = rows.data_ptr<int64_t>();
   const int64_t* qo = qo_indptr.data_ptr<int64_t>();
   const int64_t* kv = kv_indptr.data_ptr<int64_t>();
@@ -627,7 +633,7 @@ void paged_decode_merge(const at::Tensor& q, const at::Tensor& k_pool,
                                     v_pool.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), kv, qo,
                                     r, prefix_out.data_ptr<float>(), prefix_lse.data_ptr<float>(),
                                     out.data_ptr<scalar_t>(), B, H, KVH, D,
-                                    static_cast<float>(scale));
+                                    static_cast<float>(scale), kv_chunk);
     }
   });
 #else
@@ -677,7 +683,7 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const a
 std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at::Tensor& k_pool,
                               const at::Tensor& v_pool, const at::Tensor& slots,
                               const at::Tensor& kv_indptr, const at::Tensor& qo_indptr,
-                              double scale, int64_t window, double softcap) {
+                              double scale, int64_t window, double softcap, int64_t kv_chunk) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3, "q (T,H,D) and pools (S,KVH,D) expected");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(),
               "contiguous tensors expected");
@@ -687,6 +693,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
   const int64_t B = kv_indptr.numel() - 1, H = q.size(1), D = q.size(2), KVH = k_pool.size(1);
   TORCH_CHECK(H % KVH == 0 && k_pool.size(2) == D, "head shapes disagree");
   TORCH_CHECK(qo_indptr.numel() == B + 1, "qo_indptr and kv_indptr disagree");
+  TORCH_CHECK(kv_chunk >= 0, "kv_chunk must be 0 (one chunk) or more, not ", kv_chunk);
   auto out = at::empty_like(q);
   auto lse = at::empty({q.size(0), H}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention",
@@ -696,7 +703,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
                                kv_indptr.data_ptr<int64_t>(), qo_indptr.data_ptr<int64_t>(),
                                out.data_ptr<scalar_t>(), lse.data_ptr<float>(), B, H, KVH, D,
                                static_cast<float>(scale), window,
-                               static_cast<float>(softcap));
+                               static_cast<float>(softcap), kv_chunk);
   });
   return {out, lse};
 }
@@ -704,11 +711,12 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
 // A registered op (torch.ops.flowlang.paged_attention): visible to the profiler, no pybind.
 TORCH_LIBRARY(flowlang, m) {
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, "
-        "Tensor kv_indptr, Tensor qo_indptr, float scale, int window, float softcap) -> "
+        "Tensor kv_indptr, Tensor qo_indptr, float scale, int window, float softcap, "
+        "int kv_chunk) -> "
         "(Tensor, Tensor)");
   m.def("paged_decode_merge(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, "
         "Tensor kv_indptr, Tensor qo_indptr, Tensor rows, Tensor prefix_out, Tensor prefix_lse, "
-        "float scale, Tensor(a!) out) -> ()");
+        "float scale, int kv_chunk, Tensor(a!) out) -> ()");
   m.def("prefix_attention(Tensor q, Tensor rows, Tensor k_pool, Tensor v_pool, Tensor slots, "
         "float scale) -> (Tensor, Tensor)");
 }
