@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from runtime.model.linear import (
@@ -36,6 +36,8 @@ def ops():
 
 
 @settings(max_examples=60, deadline=None)
+# one output that nearly cancels: its error is relative to the terms summed, not to the result
+@example(rows=1, in_features=15, out_features=1, dtype=torch.float32, with_bias=True, seed=29802)
 @given(
     rows=st.integers(1, 70),
     in_features=st.sampled_from([1, 2, 15, 16, 33, 64, 100, 576, 1001]),
@@ -54,7 +56,8 @@ def test_panel_gemm_matches_a_float64_reference(
     y = ops.panel_gemm(x, ops.panel_pack(w), bias, out_features)
     ref = x.double() @ w.double().T + (bias.double() if with_bias else 0)
     assert y.shape == (rows, out_features) and y.dtype == dtype
-    scale = ref.abs().max().item() + 1e-12
+    terms = x.double().abs() @ w.double().abs().T + (bias.double().abs() if with_bias else 0)
+    scale = terms.max().item() + 1e-12  # the size of what was summed: rounding scales with it
     assert (y.double() - ref).abs().max().item() / scale < TOLERANCE[dtype]
 
 
