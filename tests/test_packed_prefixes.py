@@ -1,8 +1,10 @@
-"""Shared prefixes packed for the flash kernel and kept across steps (the default cascades: a
-prefix many sequences share is attended once for all their rows by flash).
+"""Shared prefixes packed for the flash kernel and kept across steps, and the default cascade's
+fused decode that attends them.
 
 A kept copy must never be stale: whatever the pool's writes in between (slots freed and reused
-for other tokens), what the store hands out equals a fresh packing of the pool's rows now.
+for other tokens), what the store hands out equals a fresh packing of the pool's rows now. The
+fused decode (prefix by flash, suffix and merge inside the paged kernel, rows read and written
+in place) must give attention over prefix + suffix in both dtypes.
 """
 
 from __future__ import annotations
@@ -97,3 +99,121 @@ def test_an_unchanged_prefix_is_packed_once_per_layer():
     entry = store.get(prefix)  # slot 50 rewritten: packed again
     store.packed(entry, 0)
     assert store.packs == LAYERS + 1
+
+
+def reference(q, k, v, scale):
+    """float64 attention of single-row queries q (B, H, D) over their keys (L_b, KVH, D)."""
+    outs = []
+    for row, keys, values in zip(q, k, v, strict=True):
+        group = row.shape[0] // keys.shape[1]
+        kf = keys.double().repeat_interleave(group, 1)
+        vf = values.double().repeat_interleave(group, 1)
+        scores = torch.einsum("hd,lhd->hl", row.double(), kf) * scale
+        outs.append(torch.einsum("hl,lhd->hd", torch.softmax(scores, -1), vf))
+    return torch.stack(outs)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    members=st.integers(1, 20),
+    prefix_len=st.integers(1, 400),
+    group=st.sampled_from([1, 3, 4]),
+    head_dim=st.sampled_from([64, 128]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    extra_rows=st.integers(0, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_decode_merge_attends_prefix_and_suffix(
+    members, prefix_len, group, head_dim, dtype, extra_rows, seed
+):
+    """Each member's query row (scattered among other rows of q) over the shared prefix and
+    its own suffix (0 to 300 keys, scattered slots): written into its row of out, and nothing
+    else written."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, pool_slots = 2, 8192
+    heads = group * kv_heads
+    pool_k, pool_v = torch.randn(2, pool_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(pool_slots, generator=gen)
+    prefix, free = order[:prefix_len], order[prefix_len:]
+    lengths = torch.randint(0, 300, (members,), generator=gen)
+    suffixes = list(torch.split(free[: int(lengths.sum())], lengths.tolist()))
+    num_tokens = members + extra_rows
+    q = torch.randn(num_tokens, heads, head_dim, generator=gen).to(dtype)
+    rows = torch.randperm(num_tokens, generator=gen)[:members]
+    kernels = load_cpu_kernels()
+    scale = head_dim**-0.5
+    k_packed, v_packed = kernels.flash_pack(pool_k, pool_v, prefix)
+    prefix_out, prefix_lse = kernels.flash_attention_packed(
+        q, rows, k_packed, v_packed, prefix_len, scale, False
+    )
+    prefix_out = prefix_out.float()  # as the default cascade hands it to the merge
+    indptr = torch.zeros(members + 1, dtype=torch.int64)
+    indptr[1:] = lengths.cumsum(0)
+    out = torch.full_like(q, 7.0)
+    single = torch.arange(members + 1)
+    kernels.paged_decode_merge(
+        q, pool_k, pool_v, torch.cat(suffixes), indptr, single, rows, prefix_out, prefix_lse,
+        scale, 0, out,
+    )  # fmt: skip
+    keys = [torch.cat([prefix, s]) for s in suffixes]
+    want = reference(q[rows], [pool_k[k] for k in keys], [pool_v[k] for k in keys], scale)
+    err = (out[rows].double() - want).abs().max().item()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+    untouched = torch.ones(num_tokens, dtype=torch.bool)
+    untouched[rows] = False
+    assert (out[untouched] == 7.0).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows_per_member=st.lists(st.integers(1, 16), min_size=1, max_size=6),
+    prefix_len=st.integers(1, 300),
+    group=st.sampled_from([1, 3, 4]),
+    head_dim=st.sampled_from([64, 128]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_decode_merge_verifies_a_draft_as_single_decodes_would(
+    rows_per_member, prefix_len, group, head_dim, dtype, seed
+):
+    """Each member's n rows (a verified draft: the last n of its own keys, causal among them)
+    in one call give bit for bit what n single-row calls over the growing suffix give: in a
+    cascade too, a draft's rows round as the plain decodes they replace."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, pool_slots = 2, 8192
+    heads = group * kv_heads
+    pool_k, pool_v = torch.randn(2, pool_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(pool_slots, generator=gen)
+    prefix, free = order[:prefix_len], order[prefix_len:]
+    counts = torch.tensor(rows_per_member)
+    lengths = counts + torch.randint(0, 200, counts.shape, generator=gen)
+    suffixes = list(torch.split(free[: int(lengths.sum())], lengths.tolist()))
+    num_rows = int(counts.sum())
+    q = torch.randn(num_rows + 3, heads, head_dim, generator=gen).to(dtype)
+    rows = torch.arange(2, 2 + num_rows)  # consecutive per member, after two other rows
+    kernels = load_cpu_kernels()
+    scale = head_dim**-0.5
+    k_packed, v_packed = kernels.flash_pack(pool_k, pool_v, prefix)
+    prefix_out, prefix_lse = kernels.flash_attention_packed(
+        q, rows, k_packed, v_packed, prefix_len, scale, False
+    )
+    prefix_out = prefix_out.float()  # as the default cascade hands it to the merge
+    kv_indptr, qo_indptr = torch.zeros(2, counts.numel() + 1, dtype=torch.int64)
+    kv_indptr[1:], qo_indptr[1:] = lengths.cumsum(0), counts.cumsum(0)
+    out = torch.full_like(q, 7.0)
+    kernels.paged_decode_merge(
+        q, pool_k, pool_v, torch.cat(suffixes), kv_indptr, qo_indptr, rows, prefix_out,
+        prefix_lse, scale, 0, out,
+    )  # fmt: skip
+    for b, (n, suffix) in enumerate(zip(rows_per_member, suffixes, strict=True)):
+        for r in range(n):
+            i = int(qo_indptr[b]) + r
+            visible = suffix[: suffix.numel() - n + r + 1]
+            one = torch.full_like(q, 7.0)
+            kernels.paged_decode_merge(
+                q, pool_k, pool_v, visible, torch.tensor([0, visible.numel()]),
+                torch.tensor([0, 1]), rows[i : i + 1], prefix_out[i : i + 1],
+                prefix_lse[i : i + 1], scale, 0, one,
+            )  # fmt: skip
+            assert torch.equal(out[rows[i]], one[rows[i]]), (b, r)
+    assert (out[:2] == 7.0).all() and (out[2 + num_rows :] == 7.0).all()

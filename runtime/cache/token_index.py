@@ -108,14 +108,7 @@ class TokenIndex:
         """The best guess of what follows `context` (its last tokens matter): tokens read on
         from the tree position whose preceding tokens match the longest tail of `context`.
         Returns (tokens matched, guess); (0, []) when no matching position has a continuation."""
-        if len(context) < NGRAM or max_tokens <= 0:
-            return 0, []
-        space = self._space_ids.get(namespace)
-        if space is None:
-            return 0, []
-        anchors = self._grams.get((space, context[-3], context[-2], context[-1]))
-        if not anchors:
-            return 0, []
+        space, anchors = self._anchors(namespace, context, max_tokens)
         best_len, best = 0, []
         for anchor in reversed(anchors):  # the most recent first: it wins ties
             matched = self._matched_before(space, anchor, context)
@@ -132,16 +125,23 @@ class TokenIndex:
         """Every guess of what follows `context`, not only the best: (tokens matched, guess)
         from the `limit` most recent tree positions whose last three tokens match it (what a
         token tree of guesses would verify; examples/benchmarks/spec_tree_potential.py)."""
-        space = self._space_ids.get(namespace)
-        if len(context) < NGRAM or max_tokens <= 0 or space is None:
-            return []
-        anchors = self._grams.get((space, context[-3], context[-2], context[-1])) or []
+        space, anchors = self._anchors(namespace, context, max_tokens)
         found = []
         for anchor in list(anchors)[::-1][:limit]:
             guess = self._read_on(space, anchor, max_tokens)
             if guess:
                 found.append((self._matched_before(space, anchor, context), guess))
         return found
+
+    def _anchors(
+        self, namespace: Hashable, context: Sequence[int], max_tokens: int
+    ) -> tuple[int, Sequence[int]]:
+        """(the namespace's space, the tree positions ending `context`'s last trigram), oldest
+        first; no positions when there is nothing to look up."""
+        space = self._space_ids.get(namespace)
+        if len(context) < NGRAM or max_tokens <= 0 or space is None:
+            return -1, ()
+        return space, self._grams.get((space, context[-3], context[-2], context[-1])) or ()
 
     def _matched_before(self, space: int, slot: int, context: Sequence[int]) -> int:
         """How many tokens of `context`'s tail the path ending at `slot` repeats."""

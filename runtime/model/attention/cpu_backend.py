@@ -3,10 +3,9 @@
 Decode attention is memory-bound; the reference path copies every sequence's K/V out of the
 pool (index_select) and reads it again in SDPA. The native kernel reads each row once, in place,
 with prefetch for scattered slots, and handles a few new tokens per sequence too (jump-forward,
-scoring tails, verified drafts).
-Sequences that share a long cached prefix are attended as a cascade
-(runtime/model/attention/cascade.py): the prefix once for all of them in one flash call, each
-suffix alone. A prefix several sequences share is packed for the flash kernel once and kept
+scoring tails, verified drafts). Sequences that share a long cached prefix are attended as a
+cascade (runtime/model/attention/cascade.py): the prefix once for all of them in one flash call,
+each suffix alone. A prefix several sequences share is packed for the flash kernel once and kept
 across steps (packed_prefixes.py); when every member is a decode (one row, or a verified
 draft's few), the prefix and the suffixes run as two native calls that read q's rows and write
 out's rows in place (no gathers, scatters or separate merge). Long extends with no shared
@@ -16,8 +15,8 @@ Batch-invariant (`batch_invariant=True`): a token is computed the same way whate
 batch. The native decode attends a sequence's keys in chunks of KV_CHUNK positions; decodes
 group only with decodes, behind a prefix cut to whole chunks, which it attends once for all
 their rows and continues per row over its own keys, operation for operation as the sequence
-attended alone; extends take the flash kernel one by one. The flash
-cascade is 2-3x faster on the shared prefix at 8-64 decodes in bf16, so it is the default.
+attended alone; extends take the flash kernel one by one. The flash cascade is 2-3x faster on
+the shared prefix at 8-64 decodes in bf16, so it is the default.
 """
 
 from __future__ import annotations

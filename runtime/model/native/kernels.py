@@ -135,9 +135,10 @@ def load_cpu_kernels() -> Any:
     with its two halves `flash_pack(k_pool, v_pool, slots)` (keys gathered by slot and packed
     for it) and `flash_attention_packed(q, q_rows, k_packed, v_packed, length, scale, causal)`
     (the query rows q_rows of q), `paged_decode_merge(q, k_pool, v_pool, slots, kv_indptr,
-    qo_indptr, rows, prefix_out, prefix_lse, scale, kv_chunk, out)` (decodes of up to 16 rows each,
-    continuing `prefix_attention(q, rows, k_pool, v_pool, prefix_slots, scale)`'s fp32 result
-    over a shared prefix of whole KV_CHUNKs, written into out's rows),
+    qo_indptr, rows, prefix_out, prefix_lse, scale, kv_chunk, out)` (decodes of up to 16 rows
+    each, continuing their fp32 attention over a shared prefix, written into out's rows; behind
+    `prefix_attention(q, rows, k_pool, v_pool, prefix_slots, scale)`'s whole KV_CHUNKs with
+    kv_chunk KV_CHUNK, each row is what its sequence alone gets),
     `merge_attention(out_a, lse_a, out_b, lse_b)`, and
     `rms_norm(x, weight, eps)`, `add_rms_norm(x, residual, weight, eps)`,
     `rope(x, cos, sin)`, `silu_and_mul(gate_up)`, and `panel_gemm(x, panels, bias, n_out)`

@@ -352,7 +352,6 @@ void decode_heads(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_p
              qf, hk0, hk1);
 }
 
-
 // (o, lse) over earlier keys merged with (oc, lsec) over the next chunk, in fp32 (lse natural).
 // Explicit intrinsics: the compiler may not contract these differently at different call sites.
 inline void merge_into(float* o, float* lse, const float* oc, float lsec, int64_t D) {
