@@ -5,6 +5,7 @@ after every step."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -363,6 +364,23 @@ def test_engine_outputs_are_unchanged_with_stops_logprobs_grammars_and_penalties
     assert stats["spec_accepted_tokens_total"] > 0
 
 
+def single_decode(kernels, q_row, k_pool, v_pool, slots, kv_chunk):
+    """One query row (H, D) as a plain decode over the keys at `slots`: (out, lse)."""
+    keys = len(slots)
+    return kernels.paged_attention(
+        q_row[None],
+        k_pool,
+        v_pool,
+        slots,
+        torch.tensor([0, keys]),
+        torch.tensor([0, 1]),
+        q_row.shape[-1] ** -0.5,
+        0,
+        0.0,
+        kv_chunk,
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,num_rows", [(64, 5), (128, 9), (64, 16)])
 @pytest.mark.parametrize("kv_chunk", [0, 64])
@@ -395,20 +413,46 @@ def test_the_native_kernel_verifies_a_draft_as_single_decodes_would(
     )
     for r in range(num_rows):
         visible = kv_len - num_rows + r + 1
-        one, one_lse = kernels.paged_attention(
-            q[r : r + 1],
-            k_pool,
-            v_pool,
-            slots[:visible],
-            torch.tensor([0, visible]),
-            torch.tensor([0, 1]),
-            scale,
-            0,
-            0.0,
-            kv_chunk,
-        )
+        one, one_lse = single_decode(kernels, q[r], k_pool, v_pool, slots[:visible], kv_chunk)
         assert torch.equal(got[r], one[0]), r
         assert torch.equal(lse[r], one_lse[0]), r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows", [(1, 4, 7), (2, 2), (16, 1, 9), (3,)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_several_drafts_in_one_call_are_single_decodes_on_any_thread_count(
+    dtype, num_rows, threads
+):
+    """A few sequences' drafts are split over the threads by KV head and by rows: whatever
+    the split, every row gets bit for bit its single-row decode."""
+    from runtime.model.native.kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    gen = torch.Generator().manual_seed(len(num_rows) + threads)
+    heads, kv_heads, head_dim = 9, 3, 64
+    k_pool, v_pool = torch.randn(2, 3000, kv_heads, head_dim, generator=gen).to(dtype)
+    kv_lens = [150 + 97 * i for i in range(len(num_rows))]
+    slots = torch.randperm(3000, generator=gen)[: sum(kv_lens)]
+    q = torch.randn(sum(num_rows), heads, head_dim, generator=gen).to(dtype)
+    kv_indptr = torch.tensor([0, *itertools.accumulate(kv_lens)])
+    qo_indptr = torch.tensor([0, *itertools.accumulate(num_rows)])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, lse = kernels.paged_attention(
+            q, k_pool, v_pool, slots, kv_indptr, qo_indptr, head_dim**-0.5, 0, 0.0, 0
+        )
+    finally:
+        torch.set_num_threads(before)
+    for b, n in enumerate(num_rows):
+        own = slots[kv_indptr[b] : kv_indptr[b + 1]]
+        for r in range(n):
+            row = int(qo_indptr[b]) + r
+            visible = kv_lens[b] - n + r + 1
+            one, one_lse = single_decode(kernels, q[row], k_pool, v_pool, own[:visible], 0)
+            assert torch.equal(got[row], one[0]), (b, r)
+            assert torch.equal(lse[row], one_lse[0]), (b, r)
 
 
 @pytest.mark.parametrize(
@@ -453,7 +497,29 @@ def test_step_costs_decide_how_long_a_draft_pays():
     assert costs.worth(1, 0.95, 8) == 8
     assert costs.worth(8, 0.55, 8) == 1  # 0.55 > 0.36 > 0.55^2
     assert costs.worth(8, 0.3, 8) == 0
-    assert costs.fit(4) is None and costs.worth(4, 0.3, 6) == 6
+    assert costs.fit(4) is None and costs.pooled_fit(4) is not None  # from sizes 1 and 8
+
+
+def test_a_batch_size_seen_seldom_takes_the_fit_over_every_size():
+    """A fork's batch changes every few steps: sizes without steps of their own are costed by
+    seconds = a + c * B + b * D over all sizes, not guessed at full length."""
+    from runtime.scheduler.step_costs import StepCosts
+
+    costs = StepCosts()
+    for step in range(30):  # one size only: no fit over sizes yet
+        costs.observe(3, step % 4, 0.012 + 0.0008 * 3 + 0.001 * (step % 4))
+    assert costs.pooled_fit(17) is None and costs.worth(17, 0.6, 6) == 6
+    for step in range(60):
+        size = (3, 9, 27)[step % 3]
+        drafted = step % 5 * (size < 27)  # the largest size never guesses
+        costs.observe(size, drafted, 0.012 + 0.0008 * size + 0.001 * drafted)
+    assert costs.fit(17) is None
+    t0, per_token = costs.pooled_fit(17)
+    assert t0 == pytest.approx(0.012 + 0.0008 * 17) and per_token == pytest.approx(0.001)
+    # rho(17) = 17 * 0.001 / 0.0256 = 0.66: one token at alpha 0.7, none at 0.6
+    assert costs.worth(17, 0.7, 8) == 1 and costs.worth(17, 0.6, 8) == 0
+    # a size with steps of its own keeps its own fit: rho(3) = 0.003 / 0.0144 = 0.21
+    assert costs.fit(3) is not None and costs.worth(3, 0.6, 8) == 3
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

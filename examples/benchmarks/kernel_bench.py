@@ -16,6 +16,9 @@ decodes, or B extends of 80 tokens, behind a shared 2,000-token prefix, each wit
 tail (a prefix shared by every sequence of the batch: W1's system prompt), by default or
 batch-invariant (--batch-invariant). Run it in two worktrees (PYTHONPATH=the worktree) to
 compare versions of cpu_backend.py and its kernels.
+With --draft-rows, one sequence's verifying pass instead: n new rows (a draft of n - 1 tokens
+and the real one, causal among them) over 500 and 2,000 scattered keys, the paged decode kernel
+as a batch-1 verification calls it, and the time each row beyond the first adds.
 """
 
 from __future__ import annotations
@@ -120,6 +123,28 @@ def gemm_table(kernels, dtype: torch.dtype, repeats: int) -> None:
         )
 
 
+def draft_rows_table(kernels, dtype: torch.dtype, repeats: int) -> None:
+    """paged_attention of one sequence's 1-16 new rows over its paged keys."""
+    gen = torch.Generator().manual_seed(0)
+    num_slots = 20_000
+    pool_k, pool_v = torch.randn(2, num_slots, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    for keys in (500, 2000):
+        slots = torch.randperm(num_slots, generator=gen)[:keys]  # scattered
+        times = {}
+        for rows in (1, 2, 3, 5, 9, 16):
+            q = torch.randn(rows, HEADS, HEAD_DIM, generator=gen).to(dtype)  # (rows, heads, d)
+            kv_indptr, qo_indptr = torch.tensor([0, keys]), torch.tensor([0, rows])
+            times[rows] = median_ms(
+                lambda q=q, s=slots, kv=kv_indptr, qo=qo_indptr: kernels.paged_attention(
+                    q, pool_k, pool_v, s, kv, qo, HEAD_DIM**-0.5, 0, 0.0, 0
+                ),
+                repeats,
+            )
+        cells = " | ".join(f"{times[n] * 1e3:.0f}" for n in times)
+        per_row = (times[16] - times[1]) / 15 * 1e3
+        print(f"| {str(dtype).removeprefix('torch.')} | {keys:,} | {cells} | {per_row:.0f} |")
+
+
 def backend_table(dtype: torch.dtype, repeats: int, batch_invariant: bool) -> None:
     """CpuPagedAttention.forward of one layer over decodes or extends behind a shared prefix."""
     gen = torch.Generator().manual_seed(0)
@@ -149,6 +174,12 @@ def backend_table(dtype: torch.dtype, repeats: int, batch_invariant: bool) -> No
             )
 
 
+DRAFT_ROWS_HEADER = "| dtype | keys | 1 row µs | 2 | 3 | 5 | 9 | 16 | µs per extra row |"
+BACKEND_HEADER = "| batch of | dtype | sequences | new tokens each | ms per layer | cascades |"
+GEMM_HEADER = "| rows | dtype | oneDNN ms | panel ms | panel / oneDNN |"
+TEXT = ("dtype", "batch of")  # left-aligned columns; the rest are numbers
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -156,21 +187,27 @@ def main() -> None:
     parser.add_argument("--gemm", action="store_true", help="panel GEMM vs oneDNN instead")
     parser.add_argument("--backend", action="store_true", help="the CPU backend's attention")
     parser.add_argument("--batch-invariant", action="store_true", help="with --backend")
+    parser.add_argument("--draft-rows", action="store_true", help="a verifying pass's rows")
     args = parser.parse_args()
     kernels = load_cpu_kernels()
     print(f"torch threads: {torch.get_num_threads()}, medians of {args.repeats}\n")
-    if args.backend:
-        print("| batch of | dtype | sequences | new tokens each | ms per layer | cascades |")
-        print("| --- | --- | ---: | ---: | ---: | ---: |")
-        for name in args.dtypes:
-            backend_table(getattr(torch, name), args.repeats, args.batch_invariant)
-        return
-    if args.gemm:
-        print("| rows | dtype | oneDNN ms | panel ms | panel / oneDNN |")
-        print("| ---: | --- | ---: | ---: | ---: |")
-        for name in args.dtypes:
-            gemm_table(kernels, getattr(torch, name), args.repeats)
-        return
+    tables = (  # (chosen, header, one dtype's rows)
+        (args.draft_rows, DRAFT_ROWS_HEADER, lambda d: draft_rows_table(kernels, d, args.repeats)),
+        (
+            args.backend,
+            BACKEND_HEADER,
+            lambda d: backend_table(d, args.repeats, args.batch_invariant),
+        ),
+        (args.gemm, GEMM_HEADER, lambda d: gemm_table(kernels, d, args.repeats)),
+    )
+    for chosen, header, table in tables:
+        if chosen:
+            columns = header.strip("| ").split(" | ")
+            print(header)
+            print("| " + " | ".join("---" if c in TEXT else "---:" for c in columns) + " |")
+            for name in args.dtypes:
+                table(getattr(torch, name))
+            return
     print("| kernel | dtype | torch ms | native ms | torch GFLOP/s | native GFLOP/s | speed-up |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for name in args.dtypes:

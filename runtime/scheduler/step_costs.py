@@ -12,6 +12,10 @@ to the B a plain step makes in t0(B), and it costs b(B): so guess while
 On a memory-bound step (one request, short contexts) rho is small and long drafts pay; where
 verifying rows cost nearly what plain rows do (many requests, long contexts) rho nears 1 and
 only near-certain guesses are made.
+
+A batch size seen too seldom for a fit of its own (a fork's branches start and finish at
+different steps, so its batch changes every few steps) takes a fit over every batch size,
+seconds = a + c * B + b * D: what its steps are expected to cost, not a guess at full length.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ class StepCosts:
 
     def __init__(self) -> None:
         self._sums: dict[int, list[float]] = {}  # B -> [n, sum D, sum T, sum D^2, sum D*T]
+        # every batch size: decayed X'X (3 x 3) and X'T of the rows x = (1, B, D)
+        self._xx = [[0.0] * 3 for _ in range(3)]
+        self._xt = [0.0] * 3
 
     def observe(self, num_decodes: int, draft_tokens: int, seconds: float) -> None:
         """One pure decode step's wall time (no prefill in it)."""
@@ -35,6 +42,11 @@ class StepCosts:
         d, t = float(draft_tokens), seconds
         for i, value in enumerate((1.0, d, t, d * d, d * t)):
             sums[i] = sums[i] * DECAY + value
+        x = (1.0, float(num_decodes), d)
+        for i in range(3):
+            self._xt[i] = self._xt[i] * DECAY + x[i] * t
+            for j in range(3):
+                self._xx[i][j] = self._xx[i][j] * DECAY + x[i] * x[j]
 
     def fit(self, num_decodes: int) -> tuple[float, float] | None:
         """(t0 seconds, b seconds per guessed token), or None while unknown."""
@@ -52,10 +64,30 @@ class StepCosts:
             return None
         return intercept, max(0.0, slope)
 
+    def pooled_fit(self, num_decodes: int) -> tuple[float, float] | None:
+        """(t0, b) for `num_decodes` from the fit over every batch size, or None while the
+        steps seen do not pin it down (too few, one batch size, or drafts of one length)."""
+        xx, xt = self._xx, self._xt
+        n = xx[0][0]
+        if n < MIN_STEPS:
+            return None
+        var_b = xx[1][1] / n - (xx[0][1] / n) ** 2
+        var_d = xx[2][2] / n - (xx[0][2] / n) ** 2
+        if var_b < MIN_SPREAD or var_d < MIN_SPREAD:
+            return None
+        coef = _solve3(xx, xt)
+        if coef is None:
+            return None
+        a, per_request, per_token = coef
+        t0 = a + per_request * num_decodes
+        if t0 <= 0:
+            return None
+        return t0, max(0.0, per_token)
+
     def worth(self, num_decodes: int, alpha: float, limit: int) -> int:
         """How many tokens a request with per-token acceptance `alpha` should guess in a step
         of `num_decodes` requests (at most `limit`); `limit` while the costs are unknown."""
-        fit = self.fit(num_decodes)
+        fit = self.fit(num_decodes) or self.pooled_fit(num_decodes)
         if fit is None:
             return limit
         t0, per_token = fit
@@ -67,3 +99,24 @@ class StepCosts:
         if alpha >= 1:
             return limit
         return min(limit, int(math.log(rho) / math.log(alpha)))
+
+
+def _solve3(a: list[list[float]], y: list[float]) -> tuple[float, float, float] | None:
+    """x with a x = y for a symmetric 3 x 3 `a` (Cramer's rule); None when near-singular."""
+
+    def det(m: list[list[float]]) -> float:
+        return (
+            m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
+        )
+
+    whole = det(a)
+    scale = a[0][0] * a[1][1] * a[2][2]
+    if scale <= 0 or abs(whole) < 1e-9 * scale:
+        return None
+    out = []
+    for col in range(3):
+        m = [[y[r] if c == col else a[r][c] for c in range(3)] for r in range(3)]
+        out.append(det(m) / whole)
+    return out[0], out[1], out[2]

@@ -200,6 +200,64 @@ void decode_one(const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_poo
 #endif
 
 #if defined(__AVX512BF16__)
+// Σ_j p[h][j] v_j for NV query heads of one KV head over L keys, from pairs of keys (each lane
+// holds v_j[d], v_j+1[d], built with one permute per 16 features) against bf16 pairs of
+// probabilities; fp32 out. Every (head, feature) chain takes the pairs in order, so a head's
+// result does not depend on the other heads of its group.
+template <int ND, int NV>
+void pv_heads(const at::BFloat16* v, const int64_t* seq, int64_t L, int64_t row,
+              const uint16_t* const* probs, float* const* out) {
+  constexpr int64_t D = 16 * ND, NZ = ND / 2;
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                          40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
+                                          1, 32, 0);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  alignas(64) uint32_t pairs[8 * D];  // 8 key pairs: lane d holds (v_2t[d], v_2t+1[d])
+  __m512 sums[NV][ND];
+  for (int h = 0; h < NV; ++h)
+    for (int c = 0; c < ND; ++c) sums[h][c] = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < L; j0 += 16) {
+    const int64_t count = std::min<int64_t>(16, L - j0);
+    for (int64_t jj = 0; jj < count && j0 + 16 + jj < L; ++jj)
+      prefetch_row(v + seq[j0 + 16 + jj] * row, D);
+    const int64_t num_pairs = (count + 1) / 2;
+    for (int64_t t = 0; t < num_pairs; ++t) {
+      const at::BFloat16* va = v + seq[j0 + 2 * t] * row;
+      const bool odd = j0 + 2 * t + 1 >= L;  // no second key: its probability is 0
+      const at::BFloat16* vb = odd ? va : v + seq[j0 + 2 * t + 1] * row;
+      for (int c = 0; c < NZ; ++c) {
+        const __m512i a = _mm512_loadu_si512(va + 32 * c), b = _mm512_loadu_si512(vb + 32 * c);
+        _mm512_storeu_si512(pairs + t * D + 32 * c, _mm512_permutex2var_epi16(a, lo_idx, b));
+        _mm512_storeu_si512(pairs + t * D + 32 * c + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
+      }
+    }
+    // key pairs outer, heads inner: the heads' chains interleave
+    for (int64_t t = 0; t < num_pairs; ++t) {
+      __m512i vz[ND];
+      for (int c = 0; c < ND; ++c) vz[c] = _mm512_loadu_si512(pairs + t * D + 16 * c);
+      for (int h = 0; h < NV; ++h) {
+        const uint32_t* pp = reinterpret_cast<const uint32_t*>(probs[h] + j0);
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[t]));
+        for (int c = 0; c < ND; ++c) sums[h][c] = _mm512_dpbf16_ps(sums[h][c], p, (__m512bh)vz[c]);
+      }
+    }
+  }
+  for (int h = 0; h < NV; ++h)
+    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(out[h] + 16 * c, sums[h][c]);
+}
+
+// P·V of nv (<= NV) query heads of one KV head (v: its first row's features) over L keys, the
+// heads' accumulators in registers (NV is a compile-time bound: every loop unrolls).
+template <int ND, int NV>
+void pv_group(int64_t nv, const at::BFloat16* v, const int64_t* seq, int64_t L, int64_t row,
+              const uint16_t* const* probs, float* const* out) {
+  switch (nv) {  // the count as a constant, so that no accumulator is indexed at run time
+    case NV: return pv_heads<ND, NV>(v, seq, L, row, probs, out);
+    default:
+      if constexpr (NV > 1) return pv_group<ND, NV - 1>(nv, v, seq, L, row, probs, out);
+  }
+}
+
 // The same decode for bf16 on vdpbf16ps (fp32 outputs, as above): q·k straight from the
 // pool's bf16 rows (pairs of features per lane), and P·V from pairs of keys (each lane holds
 // v_j[d], v_j+1[d], built with one permute per 16 features) against bf16 pairs of
@@ -280,52 +338,24 @@ void decode_one_bf16(const at::BFloat16* q, const at::BFloat16* k_pool,
                           (__m256i)_mm512_cvtneps_pbh(p));
     }
   }
-  // out[h] = Σ_j p[h][j] v_j over pairs of keys
-  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
-                                          40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
-                                          1, 32, 0);
-  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
-  alignas(64) uint32_t pairs[8 * D];  // 8 key pairs: lane d holds (v_2t[d], v_2t+1[d])
+  // out[h] = Σ_j p[h][j] v_j over pairs of keys, in groups of query heads whose accumulators
+  // fit the registers (a draft's rows make up to 16 x G heads), evenly sized
+  constexpr int64_t kPv = 24 / ND;
+  const int64_t pv_groups = (NG + kPv - 1) / kPv, pv_size = (NG + pv_groups - 1) / pv_groups;
   for (int64_t hk = hk0; hk < hk1; ++hk) {
-    for (int64_t vg0 = 0; vg0 < NG; vg0 += kMaxGroup) {
-      const int64_t vg1 = std::min<int64_t>(NG, vg0 + kMaxGroup);
-      __m512 sums[kMaxGroup][ND];
-      for (int64_t vg = vg0; vg < vg1; ++vg)
-        for (int c = 0; c < ND; ++c) sums[vg - vg0][c] = _mm512_setzero_ps();
-      for (int64_t j0 = 0; j0 < L; j0 += 16) {
-        const int64_t count = std::min<int64_t>(16, L - j0);
-        for (int64_t jj = 0; jj < count && j0 + 16 + jj < L; ++jj)
-          prefetch_row(v_pool + seq[j0 + 16 + jj] * row + hk * D, D);
-        const int64_t num_pairs = (count + 1) / 2;
-        for (int64_t t = 0; t < num_pairs; ++t) {
-          const at::BFloat16* va = v_pool + seq[j0 + 2 * t] * row + hk * D;
-          const bool odd = j0 + 2 * t + 1 >= L;  // no second key: its probability is 0
-          const at::BFloat16* vb = odd ? va : v_pool + seq[j0 + 2 * t + 1] * row + hk * D;
-          for (int c = 0; c < NZ; ++c) {
-            const __m512i a = _mm512_loadu_si512(va + 32 * c), b = _mm512_loadu_si512(vb + 32 * c);
-            _mm512_storeu_si512(pairs + t * D + 32 * c, _mm512_permutex2var_epi16(a, lo_idx, b));
-            _mm512_storeu_si512(pairs + t * D + 32 * c + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
-          }
-        }
-        // key pairs outer, heads inner: every (head, feature) chain takes the pairs in order,
-        // and the heads' chains interleave
-        for (int64_t t = 0; t < num_pairs; ++t) {
-          __m512i vz[ND];
-          for (int c = 0; c < ND; ++c) vz[c] = _mm512_loadu_si512(pairs + t * D + 16 * c);
-          for (int64_t vg = vg0; vg < vg1; ++vg) {
-            const uint32_t* pp = reinterpret_cast<const uint32_t*>(probs + head_of(hk, vg) * L_pad + j0);
-            const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[t]));
-            for (int c = 0; c < ND; ++c)
-              sums[vg - vg0][c] = _mm512_dpbf16_ps(sums[vg - vg0][c], p, (__m512bh)vz[c]);
-          }
-        }
+    for (int64_t vg0 = 0; vg0 < NG; vg0 += pv_size) {
+      const int64_t nv = std::min<int64_t>(NG, vg0 + pv_size) - vg0;
+      const uint16_t* rows_p[kPv];
+      float* rows_out[kPv];
+      for (int64_t i = 0; i < nv; ++i) {
+        rows_p[i] = probs + head_of(hk, vg0 + i) * L_pad;
+        rows_out[i] = out + head_of(hk, vg0 + i) * D;
       }
-      for (int64_t vg = vg0; vg < vg1; ++vg)
-        for (int c = 0; c < ND; ++c)
-          _mm512_storeu_ps(out + head_of(hk, vg) * D + 16 * c, sums[vg - vg0][c]);
+      pv_group<ND, kPv>(nv, v_pool + hk * D, seq, L, row, rows_p, rows_out);
     }
   }
 }
+
 #endif
 
 #if defined(__AVX512F__)
@@ -430,11 +460,26 @@ void attention_kernel(
   // (its heads are independent), so that one sequence still keeps every core busy.
   // Query row r of a sequence with L keys and n queries sits at position L - n + r and
   // attends to keys [max(0, pos - window + 1), pos].
-  const int64_t parts = B < 4 * at::get_num_threads() ? KVH : 1;
-  at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
+  // A few sequences' drafts are split by rows too (each row is a decode of its own keys), so
+  // that the tasks spread evenly over the threads (3 KV heads on 2 threads: 2 to 1). Each
+  // group reads its KV head again: worth it from 2 rows in 16-bit dtypes, from 8 in fp32
+  // (measured at 500-2,000 keys: twice the bytes, a head's rows no longer stay in cache).
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = B < 4 * threads ? KVH : 1;
+  const int64_t split_from = sizeof(scalar_t) == 2 ? 2 : 8;
+  int64_t max_rows = 1;
+  for (int64_t b = 0; b < B; ++b) max_rows = std::max(max_rows, qo_indptr[b + 1] - qo_indptr[b]);
+  int64_t row_groups = 1;
+  if (parts > 1 && max_rows >= split_from)
+    while (row_groups < max_rows && (B * parts * row_groups) % threads != 0 &&
+           B * parts * row_groups < 4 * threads)
+      ++row_groups;
+  const int64_t tasks_per_seq = parts * row_groups;
+  at::parallel_for(0, B * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, acc, scores, rowf(row), head_out, chunk_out, chunk_lse;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / parts, part = task % parts;
+      const int64_t b = task / tasks_per_seq, part = task % tasks_per_seq % parts;
+      const int64_t group = task % tasks_per_seq / parts;
       const int64_t hk0 = parts == 1 ? 0 : part, hk1 = parts == 1 ? KVH : part + 1;
       const int64_t n = qo_indptr[b + 1] - qo_indptr[b];
       const int64_t L = kv_indptr[b + 1] - kv_indptr[b];
@@ -442,19 +487,22 @@ void attention_kernel(
 #if defined(__AVX512F__)
       if constexpr (!std::is_same_v<scalar_t, double>) {
         if (n <= kMaxDecodeRows && window == 0 && softcap == 0.f && vector_decode(D, G)) {
-          scalar_t* ob = out + qo_indptr[b] * H * D;
-          head_out.resize(n * H * D);
-          decode_chunked(q + qo_indptr[b] * H * D, k_pool, v_pool, seq, L, n, true, false,
-                         head_out.data(), lse + qo_indptr[b] * H, H, KVH, D, scale, scores, acc,
-                         qf, chunk_out, chunk_lse, hk0, hk1, kv_chunk);
-          for (int64_t r = 0; r < n; ++r)
-            store_rounded(ob + (r * H + hk0 * G) * D, head_out.data() + (r * H + hk0 * G) * D,
-                          (hk1 - hk0) * G * D);
+          // rows [r0, r1): the last of them sees the first L - (n - r1) keys
+          const int64_t r0 = n * group / row_groups, r1 = n * (group + 1) / row_groups;
+          if (r0 == r1) continue;
+          const int64_t i0 = qo_indptr[b] + r0;
+          head_out.resize((r1 - r0) * H * D);
+          decode_chunked(q + i0 * H * D, k_pool, v_pool, seq, L - (n - r1), r1 - r0, true,
+                         false, head_out.data(), lse + i0 * H, H, KVH, D, scale, scores, acc, qf,
+                         chunk_out, chunk_lse, hk0, hk1, kv_chunk);
+          for (int64_t r = 0; r < r1 - r0; ++r)
+            store_rounded(out + ((i0 + r) * H + hk0 * G) * D,
+                          head_out.data() + (r * H + hk0 * G) * D, (hk1 - hk0) * G * D);
           continue;
         }
       }
 #endif
-      if (part != 0) continue;  // the general path below runs once per sequence, every head
+      if (part != 0 || group != 0) continue;  // the general path: once per sequence, all heads
       const int64_t lo = window > 0 ? std::max<int64_t>(0, L - n - window + 1) : 0;
       const int64_t span = L - lo;  // keys any row of this sequence may see
       qf.resize(n * H * D);
