@@ -420,12 +420,12 @@ def test_the_native_kernel_verifies_a_draft_as_single_decodes_would(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_rows", [(1, 4, 7), (2, 2), (16, 1, 9), (3,)])
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
 def test_several_drafts_in_one_call_are_single_decodes_on_any_thread_count(
     dtype, num_rows, threads
 ):
     """A few sequences' drafts are split over the threads by KV head and by rows: whatever
-    the split, every row gets bit for bit its single-row decode."""
+    the split (1-4 threads), every row gets bit for bit its single-row decode."""
     from runtime.model.native.kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels()
