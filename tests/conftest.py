@@ -159,6 +159,21 @@ def tiny_hf_model(kind: str = "llama", seed: int = 0, **overrides):
     return model
 
 
+def scattered_prefix(gen, group: int, head_dim: int, dtype, prefix_len: int):
+    """K/V pools of 2 KV heads over 8,192 slots and a shared prefix at random slots, for the
+    cascade kernels' tests: (pool_k, pool_v, prefix slots, the other slots in random order,
+    query heads)."""
+    kv_heads, pool_slots = 2, 8192
+    pool_k, pool_v = torch.randn(2, pool_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(pool_slots, generator=gen)
+    return pool_k, pool_v, order[:prefix_len], order[prefix_len:], group * kv_heads
+
+
+def suffix_slots(free: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+    """Each member's own slots: consecutive runs of `free`, lengths[i] long."""
+    return list(torch.split(free[: int(lengths.sum())], lengths.tolist()))
+
+
 @pytest.fixture
 def engine_steps_checked(monkeypatch):
     """Tree, allocator and scheduler invariants checked after every engine step."""

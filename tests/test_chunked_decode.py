@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import scattered_prefix, suffix_slots
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -59,15 +60,11 @@ def test_a_shared_prefix_continues_as_each_sequence_alone(
     prefix of whole chunks held in scattered slots: each row gets bit for bit the one-row decode
     of its sequence alone, is close to float64 attention, and no other row of out is written."""
     gen = torch.Generator().manual_seed(seed)
-    kv_heads, pool_slots = 2, 8192
-    heads = group * kv_heads
-    pool_k, pool_v = torch.randn(2, pool_slots, kv_heads, head_dim, generator=gen).to(dtype)
-    order = torch.randperm(pool_slots, generator=gen)
     prefix_len = prefix_chunks * KV_CHUNK
-    prefix, free = order[:prefix_len], order[prefix_len:]
+    pool_k, pool_v, prefix, free, heads = scattered_prefix(gen, group, head_dim, dtype, prefix_len)
     counts = torch.tensor(rows_per_member)
     lengths = counts + torch.randint(0, 200, counts.shape, generator=gen)
-    suffixes = list(torch.split(free[: int(lengths.sum())], lengths.tolist()))
+    suffixes = suffix_slots(free, lengths)
     num_rows = int(counts.sum())
     q = torch.randn(num_rows + 3, heads, head_dim, generator=gen).to(dtype)
     rows = torch.arange(2, 2 + num_rows)  # consecutive per member, after two other rows

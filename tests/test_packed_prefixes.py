@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import scattered_prefix, suffix_slots
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -113,6 +114,16 @@ def reference(q, k, v, scale):
     return torch.stack(outs)
 
 
+def flash_prefix(kernels, q, rows, pool_k, pool_v, prefix, scale):
+    """q's `rows` over the packed prefix by flash, as the default cascade hands them to the
+    merge: (fp32 out, lse)."""
+    k_packed, v_packed = kernels.flash_pack(pool_k, pool_v, prefix)
+    out, lse = kernels.flash_attention_packed(
+        q, rows, k_packed, v_packed, prefix.numel(), scale, False
+    )
+    return out.float(), lse
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     members=st.integers(1, 20),
@@ -130,23 +141,15 @@ def test_fused_decode_merge_attends_prefix_and_suffix(
     its own suffix (0 to 300 keys, scattered slots): written into its row of out, and nothing
     else written."""
     gen = torch.Generator().manual_seed(seed)
-    kv_heads, pool_slots = 2, 8192
-    heads = group * kv_heads
-    pool_k, pool_v = torch.randn(2, pool_slots, kv_heads, head_dim, generator=gen).to(dtype)
-    order = torch.randperm(pool_slots, generator=gen)
-    prefix, free = order[:prefix_len], order[prefix_len:]
+    pool_k, pool_v, prefix, free, heads = scattered_prefix(gen, group, head_dim, dtype, prefix_len)
     lengths = torch.randint(0, 300, (members,), generator=gen)
-    suffixes = list(torch.split(free[: int(lengths.sum())], lengths.tolist()))
+    suffixes = suffix_slots(free, lengths)
     num_tokens = members + extra_rows
     q = torch.randn(num_tokens, heads, head_dim, generator=gen).to(dtype)
     rows = torch.randperm(num_tokens, generator=gen)[:members]
     kernels = load_cpu_kernels()
     scale = head_dim**-0.5
-    k_packed, v_packed = kernels.flash_pack(pool_k, pool_v, prefix)
-    prefix_out, prefix_lse = kernels.flash_attention_packed(
-        q, rows, k_packed, v_packed, prefix_len, scale, False
-    )
-    prefix_out = prefix_out.float()  # as the default cascade hands it to the merge
+    prefix_out, prefix_lse = flash_prefix(kernels, q, rows, pool_k, pool_v, prefix, scale)
     indptr = torch.zeros(members + 1, dtype=torch.int64)
     indptr[1:] = lengths.cumsum(0)
     out = torch.full_like(q, 7.0)
@@ -180,24 +183,16 @@ def test_fused_decode_merge_verifies_a_draft_as_single_decodes_would(
     in one call give bit for bit what n single-row calls over the growing suffix give: in a
     cascade too, a draft's rows round as the plain decodes they replace."""
     gen = torch.Generator().manual_seed(seed)
-    kv_heads, pool_slots = 2, 8192
-    heads = group * kv_heads
-    pool_k, pool_v = torch.randn(2, pool_slots, kv_heads, head_dim, generator=gen).to(dtype)
-    order = torch.randperm(pool_slots, generator=gen)
-    prefix, free = order[:prefix_len], order[prefix_len:]
+    pool_k, pool_v, prefix, free, heads = scattered_prefix(gen, group, head_dim, dtype, prefix_len)
     counts = torch.tensor(rows_per_member)
     lengths = counts + torch.randint(0, 200, counts.shape, generator=gen)
-    suffixes = list(torch.split(free[: int(lengths.sum())], lengths.tolist()))
+    suffixes = suffix_slots(free, lengths)
     num_rows = int(counts.sum())
     q = torch.randn(num_rows + 3, heads, head_dim, generator=gen).to(dtype)
     rows = torch.arange(2, 2 + num_rows)  # consecutive per member, after two other rows
     kernels = load_cpu_kernels()
     scale = head_dim**-0.5
-    k_packed, v_packed = kernels.flash_pack(pool_k, pool_v, prefix)
-    prefix_out, prefix_lse = kernels.flash_attention_packed(
-        q, rows, k_packed, v_packed, prefix_len, scale, False
-    )
-    prefix_out = prefix_out.float()  # as the default cascade hands it to the merge
+    prefix_out, prefix_lse = flash_prefix(kernels, q, rows, pool_k, pool_v, prefix, scale)
     kv_indptr, qo_indptr = torch.zeros(2, counts.numel() + 1, dtype=torch.int64)
     kv_indptr[1:], qo_indptr[1:] = lengths.cumsum(0), counts.cumsum(0)
     out = torch.full_like(q, 7.0)

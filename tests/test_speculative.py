@@ -509,6 +509,11 @@ def test_a_batch_size_seen_seldom_takes_the_fit_over_every_size():
     for step in range(30):  # one size only: no fit over sizes yet
         costs.observe(3, step % 4, 0.012 + 0.0008 * 3 + 0.001 * (step % 4))
     assert costs.pooled_fit(17) is None and costs.worth(17, 0.6, 6) == 6
+    collinear = StepCosts()  # every request guessing 4: D = 4 B leaves the slopes unsolvable
+    for step in range(30):
+        size = (1, 2, 4)[step % 3]
+        collinear.observe(size, 4 * size, 0.01 + 0.001 * size + 0.002 * 4 * size)
+    assert collinear.pooled_fit(3) is None
     for step in range(60):
         size = (3, 9, 27)[step % 3]
         drafted = step % 5 * (size < 27)  # the largest size never guesses

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 DECAY = 0.97  # per observed step: about the last 30 steps of a batch size count
 MIN_STEPS = 6  # before a fit is trusted
 MIN_SPREAD = 0.25  # variance of D (tokens^2) a slope needs
@@ -35,6 +37,8 @@ class StepCosts:
         # every batch size: decayed X'X (3 x 3) and X'T of the rows x = (1, B, D)
         self._xx = [[0.0] * 3 for _ in range(3)]
         self._xt = [0.0] * 3
+        self._pooled: tuple[float, float, float] | None = None  # (a, c, b), solved once per step
+        self._pooled_stale = True
 
     def observe(self, num_decodes: int, draft_tokens: int, seconds: float) -> None:
         """One pure decode step's wall time (no prefill in it)."""
@@ -47,6 +51,7 @@ class StepCosts:
             self._xt[i] = self._xt[i] * DECAY + x[i] * t
             for j in range(3):
                 self._xx[i][j] = self._xx[i][j] * DECAY + x[i] * x[j]
+        self._pooled_stale = True
 
     def fit(self, num_decodes: int) -> tuple[float, float] | None:
         """(t0 seconds, b seconds per guessed token), or None while unknown."""
@@ -67,22 +72,35 @@ class StepCosts:
     def pooled_fit(self, num_decodes: int) -> tuple[float, float] | None:
         """(t0, b) for `num_decodes` from the fit over every batch size, or None while the
         steps seen do not pin it down (too few, one batch size, or drafts of one length)."""
-        xx, xt = self._xx, self._xt
-        n = xx[0][0]
-        if n < MIN_STEPS:
+        if self._pooled_stale:
+            self._pooled, self._pooled_stale = self._solve_pooled(), False
+        if self._pooled is None:
             return None
-        var_b = xx[1][1] / n - (xx[0][1] / n) ** 2
-        var_d = xx[2][2] / n - (xx[0][2] / n) ** 2
-        if var_b < MIN_SPREAD or var_d < MIN_SPREAD:
-            return None
-        coef = _solve3(xx, xt)
-        if coef is None:
-            return None
-        a, per_request, per_token = coef
+        a, per_request, per_token = self._pooled
         t0 = a + per_request * num_decodes
         if t0 <= 0:
             return None
         return t0, max(0.0, per_token)
+
+    def _solve_pooled(self) -> tuple[float, float, float] | None:
+        xx = self._xx
+        n = xx[0][0]
+        if n < MIN_STEPS:
+            return None
+        mean_b, mean_d = xx[0][1] / n, xx[0][2] / n
+        var_b = xx[1][1] / n - mean_b**2
+        if var_b < MIN_SPREAD:
+            return None
+        # D's spread that B does not explain: drafts proportional to the batch (every request
+        # guessing alike) would leave the two slopes unsolvable
+        cov_bd = xx[1][2] / n - mean_b * mean_d
+        if xx[2][2] / n - mean_d**2 - cov_bd**2 / var_b < MIN_SPREAD:
+            return None
+        coef = torch.linalg.solve(
+            torch.tensor(xx, dtype=torch.float64), torch.tensor(self._xt, dtype=torch.float64)
+        )
+        a, per_request, per_token = coef.tolist()
+        return a, per_request, per_token
 
     def worth(self, num_decodes: int, alpha: float, limit: int) -> int:
         """How many tokens a request with per-token acceptance `alpha` should guess in a step
@@ -99,24 +117,3 @@ class StepCosts:
         if alpha >= 1:
             return limit
         return min(limit, int(math.log(rho) / math.log(alpha)))
-
-
-def _solve3(a: list[list[float]], y: list[float]) -> tuple[float, float, float] | None:
-    """x with a x = y for a symmetric 3 x 3 `a` (Cramer's rule); None when near-singular."""
-
-    def det(m: list[list[float]]) -> float:
-        return (
-            m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
-            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
-        )
-
-    whole = det(a)
-    scale = a[0][0] * a[1][1] * a[2][2]
-    if scale <= 0 or abs(whole) < 1e-9 * scale:
-        return None
-    out = []
-    for col in range(3):
-        m = [[y[r] if c == col else a[r][c] for c in range(3)] for r in range(3)]
-        out.append(det(m) / whole)
-    return out[0], out[1], out[2]
