@@ -12,13 +12,14 @@ radix tree and the KV pool are only ever touched by that one thread.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import io
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from runtime.handles import PinHandle, RequestHandle
 from runtime.intake import RequestIntake
 from runtime.loop import EngineLoop, log_failure
 from runtime.model.arch import ModelArch
-from runtime.model.loader import load_checkpoint, load_tokenizer
+from runtime.model.loader import checkpoint_digest, load_checkpoint, load_tokenizer
 from runtime.model.native.kernels import release_openmp_workers
 from runtime.model.native.kernels import start_building as start_building_kernels
 from runtime.model.registry import check_model_name, resolve_model
@@ -129,22 +130,11 @@ class Engine:
         )
 
     def _weights_identity(self) -> str:
-        """What names these weights for the disk tier: the model as given, plus the names and
-        sizes of its files and its config (random weights: their seed)."""
+        """What names these weights for the disk tier: the model as given, plus a digest of
+        its weights' bytes and its config (random weights: their seed)."""
         if self.model_path is None:
             return f"{self.config.model}|seed={self.config.seed}"
-        root = Path(self.model_path)
-        files = sorted(root.rglob("*")) if root.is_dir() else [root]
-        parts = [self.config.model]
-        for path in files:
-            if path.is_file() and path.suffix in {".safetensors", ".gguf", ".bin", ".pt"}:
-                parts.append(
-                    f"{path.relative_to(root) if root.is_dir() else path.name}:"
-                    f"{path.stat().st_size}"
-                )
-            elif path.name == "config.json":
-                parts.append(path.read_text())
-        return "|".join(parts)
+        return f"{self.config.model}|{checkpoint_digest(self.model_path)}"
 
     def _init_loop(self) -> None:
         """The loop thread that owns scheduler, tree and pool."""
@@ -159,6 +149,7 @@ class Engine:
         self.cpu_share = CpuShare.for_this_process() if adapt else None
         self._jump_forward = self.config.enable_jump_forward
         self._loop = EngineLoop(self.step, self.scheduler.has_work, self.scheduler.fail_running)
+        _LIVE_ENGINES.add(self)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> bool:
@@ -468,6 +459,24 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError("the engine is closed")
+
+
+# engines a script never closed, closed at exit: a loop thread still inside torch when the
+# interpreter stops daemon threads is cut off in C++ code, and the process aborts (SIGABRT,
+# "terminate called without an active exception"). atexit runs before that, and this hook,
+# registered after torch's import, before torch's own.
+_LIVE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _close_live_engines() -> None:
+    for engine in list(_LIVE_ENGINES):
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001 - the next engine is closed all the same
+            log_failure("closing an engine at exit")
+
+
+atexit.register(_close_live_engines)
 
 
 def _new_pin_id() -> str:

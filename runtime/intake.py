@@ -10,6 +10,7 @@ import itertools
 import json
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from functools import partial
 from typing import Any
@@ -23,6 +24,8 @@ from runtime.generation import GenerationState
 from runtime.model.arch import ModelArch
 from runtime.protocol import Constraint, GenerateRequest, GraphHints, SamplingParams
 from runtime.scheduler.request import Req, ReqKind
+
+MAX_TENANTS_REMEMBERED = 4096  # request ids compiled ahead, not yet submitted: whose they are
 
 
 class RequestIntake:
@@ -39,6 +42,8 @@ class RequestIntake:
         self._grammars = None
         self._grammar_lock = threading.Lock()
         self.compile_queue = CompileQueue()
+        # rid -> tenant, from compile_ahead until the request's submit: whose grammar cache
+        self._tenant_of: OrderedDict[str, str] = OrderedDict()
 
     # ------------------------------------------------------------------ requests
     def generate_req(self, request: GenerateRequest) -> Req:
@@ -190,7 +195,8 @@ class RequestIntake:
     def compile_ahead(self, requests: list[GenerateRequest], tenant: str) -> list[Future]:
         """Compile the requests' new constraints (each distinct one once) on the compile queue,
         before they are submitted: Futures that fail with InvalidRequestError for a bad one.
-        Raises CompileQueueFullError when `tenant` has its limit queued."""
+        Raises CompileQueueFullError when `tenant` has its limit queued. Each tenant's grammars
+        are cached apart (grammar.py); the requests' submit then looks in `tenant`'s cache."""
         from runtime.constrain.grammar import InvalidConstraintError, check_nesting, constraint_key
 
         futures: dict[str, Future] = {}
@@ -203,27 +209,42 @@ class RequestIntake:
             except InvalidConstraintError as err:
                 raise InvalidRequestError(str(err)) from err
             key = constraint_key(constraint)  # the n samples of a prompt share one
+            self._remember_tenant(request.rid, tenant)
             grammars = self._grammars
-            if key in futures or (grammars is not None and grammars.is_compiled(key)):
+            if key in futures or (grammars is not None and grammars.is_compiled(key, tenant)):
                 continue
-            futures[key] = self.compile_queue.submit(tenant, partial(self._compiled, constraint))
+            futures[key] = self.compile_queue.submit(
+                tenant, partial(self._compiled, constraint, tenant=tenant)
+            )
         return list(futures.values())
+
+    def _remember_tenant(self, rid: str, tenant: str) -> None:
+        """`rid`'s submit compiles (finds) its grammar in `tenant`'s cache; the oldest go past
+        MAX_TENANTS_REMEMBERED (requests compiled ahead but never submitted)."""
+        with self._grammar_lock:
+            self._tenant_of[rid] = tenant
+            self._tenant_of.move_to_end(rid)
+            while len(self._tenant_of) > MAX_TENANTS_REMEMBERED:
+                self._tenant_of.popitem(last=False)
 
     def _constraint_state(self, request: GenerateRequest) -> Any:
         """Compile the request's constraint now (unless compile_ahead did), so a bad one fails
         at submit."""
         if request.constraint is None:
             return None
-        return self.grammars.new_state(self._compiled(request.constraint))
+        with self._grammar_lock:
+            tenant = self._tenant_of.pop(request.rid, None)  # None: in process, no server
+        return self.grammars.new_state(self._compiled(request.constraint, tenant=tenant))
 
-    def _compiled(self, constraint: Constraint) -> Any:
-        """`constraint` compiled (from the cache if it is there), or InvalidRequestError."""
+    def _compiled(self, constraint: Constraint, tenant: str | None = None) -> Any:
+        """`constraint` compiled (from `tenant`'s cache if it is there), or
+        InvalidRequestError."""
         from runtime.constrain.grammar import InvalidConstraintError, check_nesting
 
         try:
             check_nesting(constraint)
             check_unicode(json.dumps(constraint.model_dump(), ensure_ascii=False))
-            return self.grammars.compile(constraint)
+            return self.grammars.compile(constraint, tenant)
         except InvalidConstraintError as err:
             raise InvalidRequestError(str(err)) from err
 

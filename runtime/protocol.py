@@ -12,6 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_STOP_REGEX_COUNT = 32  # SGLang's limits, so a pattern it takes is taken here
 MAX_STOP_REGEX_BYTES = 256
+# a cache namespace (namespace, cache_salt and extra_key joined, with the API key's tag): every
+# live one keeps its name in the tree; vLLM and SGLang set no limit, this one is generous
+MAX_NAMESPACE_CHARS = 1024
+# GraphHints bounds: advice about a program's future, never a claim on memory or time
+MAX_HINT_FUTURE_TOKENS = 2**31 - 1
+MAX_HINT_RETURN_S = 86_400.0  # a declared return later than a day is "not soon"
 
 
 class _Frozen(BaseModel):
@@ -193,11 +199,17 @@ class ToolCall(_Frozen):
 
 
 class GraphHints(_Frozen):
-    """What the program graph knows about a request; the scheduler and eviction may use it."""
+    """What the program graph knows about a request; the scheduler and eviction may use it.
 
-    program_id: str | None = None
-    branch_id: str | None = None
-    fork_group_id: str | None = None
+    Hints are advice: the scheduler bounds what it does with them (future_tokens within the
+    pool and its owner's share of it, returns within MAX_HINT_RETURN_S, branches remembered
+    per owner), so no hint holds memory or another tenant's requests."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    program_id: str | None = Field(None, max_length=MAX_NAMESPACE_CHARS)
+    branch_id: str | None = Field(None, max_length=MAX_NAMESPACE_CHARS)
+    fork_group_id: str | None = Field(None, max_length=MAX_NAMESPACE_CHARS)
     fork_group_size: int | None = Field(None, ge=1)
     priority: int = Field(0, description="higher is scheduled (and kept in cache) first")
     continuation: bool = Field(
@@ -208,14 +220,17 @@ class GraphHints(_Frozen):
         ge=0,
         description="with continuation: the next request extending this sequence is expected "
         "this many seconds after this one finishes (a tool call's latency, a user's think "
-        "time); the graph eviction policy keeps sooner returns longer. Unset: right away",
+        "time); the graph eviction policy keeps sooner returns longer. Unset: right away. "
+        "Later than MAX_HINT_RETURN_S counts as MAX_HINT_RETURN_S",
     )
     future_tokens: int | None = Field(
         None,
         ge=0,
+        le=MAX_HINT_FUTURE_TOKENS,
         description="with continuation: about how many tokens the program's later requests "
         "add to this sequence (their new prompt text and outputs); graph eviction keeps room "
-        "for the work in flight to finish before it admits new work",
+        "for the work in flight to finish before it admits new work (at most the owner's share "
+        "of the pool: a hint is advice, never a reservation)",
     )
 
 
@@ -232,7 +247,11 @@ class GenerateRequest(_Frozen):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     constraint: Constraint | None = None
     hints: GraphHints = Field(default_factory=GraphHints)
-    namespace: str | None = Field(None, description="cache salt: no sharing across namespaces")
+    namespace: str | None = Field(
+        None,
+        description="cache salt: no sharing across namespaces; at most MAX_NAMESPACE_CHARS "
+        "characters (checked at submit: an InvalidRequestError)",
+    )
     timeout_s: float | None = Field(
         None, gt=0, description="abort the request this long after submit (queueing included)"
     )

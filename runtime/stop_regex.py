@@ -7,7 +7,9 @@ could stall every other. Here a pattern is compiled (by Python's own regex parse
 and its errors are `re`'s) to a program of character tests, splits, jumps and assertions; each
 character of text advances every live thread one step, so a character costs at most the
 program's length in steps, whatever the pattern. Threads live across tokens, so each character
-is read once.
+is read once. A piece of text (a token's) may be read in many calls, each within a budget of
+steps (begin(), advance()): the engine bounds a request's matching per step this way, however
+much text a grammar forced in one step, and finds what one unbounded feed() finds.
 
 Threads run in priority order, which gives `re`'s leftmost-first matches; a match must be
 non-empty: where re's match at a position is empty, none begins there (as searching again
@@ -19,6 +21,7 @@ steps). `$` before a final newline means the final newline of the text so far.
 
 from __future__ import annotations
 
+import math
 import re
 import re._compiler as re_compiler  # re's own parser and compiler (3.11+): re's exact syntax
 import re._constants as c
@@ -185,14 +188,26 @@ class StopRegexMatcher:
         self.num_fed = 0  # characters fed so far
         self._last_char: str | None = None
         self.num_steps = 0  # threads advanced or followed, all feeds together (cost)
+        self._piece = ""  # the text begun, read up to `_index` (advance() reads on)
+        self._index = 0
+        self._end = 0  # where the piece ends in the whole text
+        self._match: tuple[int, int] | None = None  # the best match so far in the piece
+        self.found: tuple[int, int] | None = None  # the match once the piece is read
+        self._reading = False  # begun and not read to its end
 
     @property
     def search_from(self) -> int:
-        """No match can begin before this position any more (text before it may stream)."""
-        return min((start for _, start in self._pending), default=self.num_fed)
+        """No match can begin before this position any more (text before it may stream),
+        nor did the one found, if any (a piece read in many calls: found before its end)."""
+        starts = [start for _, start in self._pending]
+        found = self._match or self.found
+        if found is not None:
+            starts.append(found[0])
+        return min(starts, default=self.num_fed)
 
     def skip(self, text: str) -> None:
         """Pass over `text` (nothing in it may begin a match: before min_new_tokens)."""
+        self.found = None
         if text:
             self._pending = []
             self.num_fed += len(text)
@@ -201,22 +216,44 @@ class StopRegexMatcher:
     def feed(self, text: str) -> tuple[int, int] | None:
         """Read `text` (what follows what was fed); (start, end) of the match in the whole
         text so far, or None."""
-        match = None
-        pending = self._pending
-        pos, prev = self.num_fed, self._last_char
-        end = self.num_fed + len(text)
-        for ch in text:
+        self.begin(text)
+        self.advance(math.inf)
+        return self.found
+
+    def begin(self, text: str) -> None:
+        """Start reading `text` (what follows what was fed) as one piece: the text so far is
+        searched as it stands at the piece's end, as feed(text) would; advance() reads it."""
+        self._piece, self._index, self._end = text, 0, self.num_fed + len(text)
+        self._match = self.found = None
+        self._reading = True
+
+    def advance(self, budget: float) -> bool:
+        """Read on in the piece until its end, or until `budget` steps are spent (a step
+        more at most: one character's closure, or the end's); True once it is read, and
+        `found` is then feed()'s answer. Pieces read in many calls find what one call finds."""
+        if not self._reading:
+            return True
+        limit = self.num_steps + budget
+        piece, i, end, prog = self._piece, self._index, self._end, self.prog
+        pending, pos, prev, match = self._pending, self.num_fed, self._last_char, self._match
+        while i < len(piece) and self.num_steps < limit:
+            ch = piece[i]
             nxt = ch if pos + 1 < end or ch != "\n" else _FINAL_NEWLINE
             threads, found = self._closure(pending, pos, prev, nxt, new_start=match is None)
             match = found or match
-            pending = [(pc + 1, start) for pc, start in threads if self.prog[pc][1](ch)]
+            pending = [(pc + 1, start) for pc, start in threads if prog[pc][1](ch)]
             self.num_steps += len(threads)
-            pos, prev = pos + 1, ch
+            pos, prev, i = pos + 1, ch, i + 1
             if not pending and match is not None:
-                break  # nothing left that could make the match longer: the request stops
+                i = len(piece)  # nothing left that could make the match longer: it stops
         self._pending, self.num_fed, self._last_char = pending, pos, prev
+        self._index, self._match = i, match
+        if i < len(piece):
+            return False
         _, found = self._closure(pending, pos, prev, None, new_start=match is None)
-        return found or match
+        self.found, self._match, self._piece, self._index = found or match, None, "", 0
+        self._reading = False
+        return True
 
     def _closure(
         self, pending: list[Thread], pos: int, prev: str | None, nxt: str | None, new_start: bool

@@ -116,8 +116,8 @@ def _verify(
         if j == len(draft) or token != draft[j]:
             return
         outcome.num_accepted += 1
-        if gen.finished or outcome.num_forced:
-            return
+        if gen.finished or outcome.num_forced or gen.checking_stops:
+            return  # (stop matching behind: what follows waits for it)
 
 
 def _append(

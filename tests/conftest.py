@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -187,6 +188,43 @@ def engine_steps_checked(monkeypatch):
         return progressed
 
     monkeypatch.setattr(Engine, "step", checked_step)
+
+
+class StepCounter:
+    """Engine steps counted as they end (`count`), and a wait for the next one."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.stepped = threading.Condition()
+
+    def now(self) -> int:
+        """Steps ended so far."""
+        with self.stepped:
+            return self.count
+
+    def wait_for_next(self, timeout_s: float) -> None:
+        """Until one more step ends, at most `timeout_s`."""
+        with self.stepped:
+            start = self.count
+            self.stepped.wait_for(lambda: self.count > start, timeout=timeout_s)
+
+
+@pytest.fixture
+def step_counter(monkeypatch) -> StepCounter:
+    """Every engine step counted (wraps whatever Engine.step is when requested)."""
+    from runtime.engine import Engine
+
+    counter, original = StepCounter(), Engine.step
+
+    def counted_step(self) -> bool:
+        progressed = original(self)
+        with counter.stepped:
+            counter.count += 1
+            counter.stepped.notify_all()
+        return progressed
+
+    monkeypatch.setattr(Engine, "step", counted_step)
+    return counter
 
 
 @pytest.fixture(scope="session")

@@ -82,7 +82,7 @@ def test_the_cache_keeps_the_most_recently_used_within_its_budget(grammars, monk
     monkeypatch.setattr(constrained, "MAX_CACHED_BYTES", 2 * max(sizes) + 1024)
     grammars.compile(small[1])  # most recently used: kept
     grammars.compile(Constraint(regex="[a-z]{6}x"))
-    keys = list(grammars._compiled)
+    keys = list(grammars._compiled[None])
     assert len(keys) == 2 and '"regex": "[a-z]{4}x"' in keys[0]
 
 

@@ -78,7 +78,7 @@ def blocked_compiles(server, monkeypatch):
     release = threading.Event()
     entered = []
 
-    def slow_compile(constraint):
+    def slow_compile(constraint, tenant=None):
         entered.append(constraint.regex)
         assert release.wait(120), "the test never released the compiles"
         raise InvalidRequestError(f"invalid regex: {constraint.regex} (a fake compile)")

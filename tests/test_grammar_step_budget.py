@@ -100,29 +100,16 @@ def test_a_mask_that_never_comes_holds_back_no_one_else(tiny_model_dir, alone, m
 
 
 def test_deferred_requests_all_progress_to_their_greedy_outputs(
-    tiny_model_dir, alone, monkeypatch, engine_steps_checked
+    tiny_model_dir, alone, monkeypatch, engine_steps_checked, step_counter
 ):
     """Every mask takes at least one more engine step to fill (while steps run), and the
     step budget is 0: constrained requests sit out steps, all the time. Each still finishes
     with its greedy output, and the plain request still takes its steps alone."""
     outputs, plain_steps = alone
-    steps = [0]
-    stepped = threading.Condition()
-    original_step = Engine.step
-
-    def counted_step(self) -> bool:
-        progressed = original_step(self)
-        with stepped:
-            steps[0] += 1
-            stepped.notify_all()
-        return progressed
 
     def at_least_a_step(state) -> None:
-        with stepped:
-            start = steps[0]
-            stepped.wait_for(lambda: steps[0] > start, timeout=0.2)  # or no step comes
+        step_counter.wait_for_next(timeout_s=0.2)  # or no step comes
 
-    monkeypatch.setattr(Engine, "step", counted_step)
     threads = fills_on(monkeypatch, at_least_a_step)
     requests = [constrained(i) for i in range(2 * len(CONSTRAINTS))]
     with engine(tiny_model_dir, grammar_step_budget_ms=0) as eng:

@@ -18,6 +18,34 @@ from runtime.protocol import GenerateRequest, SamplingParams
 TEXT = "Order 66 shipped on May 4. Refund: 12.50 USD, ref AB-77. Thanks!"
 
 
+# patterns that exercise every construct the matcher compiles (also test_hostile_round4_stops)
+PATTERNS = [
+    r"ab+",
+    r"a|ab",
+    r"(a|ab)(c|bcd)",
+    r"\d+\.\d+",
+    r"x*y",
+    r"\bend\b",
+    r"a{2,3}?b",
+    r"(?i)Ab",
+    r"(a|b)*c",
+    r"[^ab]+",
+    r"\Bb",
+    r"^a",
+    r"(?m)^b",
+    r"(?m)b$",
+    r"(ab|a)(bc)?",
+    r"a??b",
+    r"(?:a|)+b",
+    r"\w+\s",
+    r"[a-c]{1,3}d?",
+    r"(a|a)+b",
+    r"b$",
+    r"a$\n?",
+    r"\Z|b",
+]
+
+
 def feed(tokenizer, text=TEXT, **params) -> tuple[GenerationState, str]:
     """Append `text`'s tokens one by one; the state and everything streamed meanwhile."""
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -231,33 +259,7 @@ def test_the_automaton_states_of_all_patterns_are_capped_together(engine):
 
 
 @given(
-    pattern=st.sampled_from(
-        [
-            r"ab+",
-            r"a|ab",
-            r"(a|ab)(c|bcd)",
-            r"\d+\.\d+",
-            r"x*y",
-            r"\bend\b",
-            r"a{2,3}?b",
-            r"(?i)Ab",
-            r"(a|b)*c",
-            r"[^ab]+",
-            r"\Bb",
-            r"^a",
-            r"(?m)^b",
-            r"(?m)b$",
-            r"(ab|a)(bc)?",
-            r"a??b",
-            r"(?:a|)+b",
-            r"\w+\s",
-            r"[a-c]{1,3}d?",
-            r"(a|a)+b",
-            r"b$",
-            r"a$\n?",
-            r"\Z|b",
-        ]
-    ),
+    pattern=st.sampled_from(PATTERNS),
     text=st.text(alphabet="aabbcdxyE1.-\n end", max_size=16),
     cuts=st.lists(st.integers(1, 16), max_size=6),
 )

@@ -505,4 +505,8 @@ def test_torch_free():
                 continue
             assert {m.split(".")[0] for m in modules} <= allowed, (name, modules)
             if modules[0].startswith("runtime"):
-                assert modules[0] in ("runtime.protocol", "runtime.constrain.reasoning")
+                assert modules[0] in (
+                    "runtime.protocol",
+                    "runtime.constrain.reasoning",
+                    "runtime.constrain.check",  # pure Python: the shared depth limit
+                )

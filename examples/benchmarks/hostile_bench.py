@@ -15,6 +15,9 @@ the server is restarted, so every case starts from a healthy one.
 The cases of hostile_cases_tenants.py run against a second server with two tenants' API keys
 and an admin key (silent acceptance, tenants, starvation, shutdown), and its replica cases
 against a third, `--replicas 2` on Ray (no address-space cap: Ray maps large regions).
+
+`--round4` runs the fourth round's cases instead (issue 50; hostile_round4.py): each attack
+measured against a quiet baseline, a table and JSON lines per tree.
 """
 
 from __future__ import annotations
@@ -49,12 +52,18 @@ class ServerProcess:
     """`python -m flowlang serve` from one source tree, restartable."""
 
     def __init__(
-        self, tree: str, port: int, log_path: str, tenants: bool = False, replicas: int = 0
+        self,
+        tree: str,
+        port: int,
+        log_path: str,
+        tenants: bool = False,
+        replicas: int = 0,
+        flags: tuple[str, ...] = (),
     ) -> None:
         self.tree, self.port, self.log_path = os.path.abspath(tree), port, log_path
         self.url = f"http://127.0.0.1:{port}"
         self.process: subprocess.Popen | None = None
-        self.tenants, self.replicas = tenants, replicas
+        self.tenants, self.replicas, self.flags = tenants, replicas, tuple(flags)
         self.headers = {"authorization": f"Bearer {KEYS['admin']}"} if tenants else {}
 
     def start(self) -> None:
@@ -67,7 +76,7 @@ class ServerProcess:
             command += ["--replicas", str(self.replicas)]
         with open(self.log_path, "a") as log:
             self.process = subprocess.Popen(
-                [*command, "--port", str(self.port)],
+                [*command, *self.flags, "--port", str(self.port)],
                 cwd=self.tree,
                 env=env,
                 stdout=log,
@@ -287,7 +296,16 @@ def main() -> None:
     parser.add_argument(
         "--resume", action="store_true", help="keep the verdicts recorded by an earlier run"
     )
+    parser.add_argument(
+        "--round4", action="store_true", help="the fourth round's cases instead (issue 50)"
+    )
+    parser.add_argument(
+        "--round4-jsonl", default="/tmp/hostile_round4_{tree}.jsonl", help="--round4's records"
+    )
     args = parser.parse_args()
+    if args.round4:
+        round4(args)
+        return
     suites = {  # suite: its cases, the server they run against
         "plain": (CASES, {}),
         "tenants": (TENANT_CASES, {"tenants": True}),
@@ -316,6 +334,23 @@ def main() -> None:
             kinds = suites[suite][1]
             results[name].update(measure(path, args.port, record_path, cases, **kinds))
     print_tables(results, [c for cases in chosen.values() for c in cases])
+
+
+def round4(args: argparse.Namespace) -> None:
+    """The fourth round's cases (hostile_round4.py), a table and JSON lines per tree."""
+    import hostile_round4
+
+    for spec in args.tree:
+        name, _, path = spec.partition("=")
+        print(f"{name}: {path}", file=sys.stderr, flush=True)
+        log = f"/tmp/hostile_round4_{name}.log"
+
+        def make_server(flags: list[str], path: str = path, log: str = log) -> ServerProcess:
+            return ServerProcess(path, args.port, log, tenants=True, flags=tuple(flags))
+
+        records = hostile_round4.run_round4(path, make_server, HealthWatch, args.case, "/tmp")
+        hostile_round4.write_jsonl(args.round4_jsonl.format(tree=name), name, records)
+        hostile_round4.print_table(name, records)
 
 
 if __name__ == "__main__":

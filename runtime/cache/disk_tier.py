@@ -1,9 +1,10 @@
 """The disk tier (L3) below host memory: a directory of KV chunk files.
 
 A file is one chunk, named by its chunk name (chunks.py), in a directory per layout
-fingerprint: a header (magic, fingerprint, chunk name, payload size, crc32) and the chunk's K
-and V. Written whole under a temporary name and renamed, so a crash never leaves a file a
-later run trusts; anything that does not check out is a miss.
+fingerprint: a header (magic, fingerprint, chunk name, payload size, a keyed MAC of all that
+and the payload) and the chunk's K and V. Written whole under a temporary name and renamed, so
+a crash never leaves a file a later run trusts; anything that does not check out is a miss,
+read boundedly and verified first (disk_files.py: what the tier trusts of its directory).
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import struct
 import threading
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -21,22 +22,35 @@ from pathlib import Path
 import torch
 
 from runtime.cache.chunks import NAME_BYTES, TierLayout, chunk_file
+from runtime.cache.disk_files import (
+    MAC_BYTES,
+    UntrustedFile,
+    check_directory,
+    chunk_mac,
+    deployment_key,
+    macs_equal,
+    read_bounded,
+    write_exclusive,
+)
 
 log = logging.getLogger("flowlang.kv_tiers")
 
-_MAGIC = b"FLKVCHK2"  # 2: (K|V, layers, tokens, heads, dim) chunks
+_MAGIC = b"FLKVCHK3"  # 3: a keyed MAC (2: crc32); (K|V, layers, tokens, heads, dim) chunks
 # write errors that would recur: writing stops (others, such as a temporary file another
 # engine sharing the directory removed, lose that one chunk)
 _LASTING_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO}
-_HEADER = struct.Struct("<8s16s16sQI")  # magic, layout fingerprint, chunk name, bytes, crc32
+_FIELDS = struct.Struct("<8s16s16sQ")  # magic, layout fingerprint, chunk name, bytes
+_HEADER = struct.Struct(f"<{_FIELDS.size}s{MAC_BYTES}s")  # the fields, their MAC with the bytes
 
 
 class DiskTier:
     """Chunk files under `root/<layout fingerprint>/`, one per chunk, written whole to a
     temporary name and renamed (a crash leaves no file a later run trusts), each with a
-    header naming its layout and chunk and a checksum of its bytes. Any file that does not
-    check out is a miss: counted, logged once, removed. A full disk or an unwritable
-    directory turns writing off with a warning; reading goes on."""
+    header naming its layout and chunk and a MAC of both and its bytes under the deployment's
+    key. Any file that does not check out is a miss: counted, logged once, removed. A full
+    disk or an unwritable directory turns writing off with a warning; reading goes on (with
+    no key to check files against, nothing is read). A directory anyone may write to, or a
+    key others may read, is refused (DiskTrustError)."""
 
     def __init__(self, root: str | Path, layout: TierLayout, capacity_bytes: int) -> None:
         self.layout = layout
@@ -52,11 +66,19 @@ class DiskTier:
         self._index: OrderedDict[bytes, None] = OrderedDict()  # oldest first
         self._lock = threading.Lock()  # the index: the writer thread and the loop both use it
         self.on_change: Callable[[str, bytes], None] | None = None  # ("stored"|"removed", name)
+        self._key = b""  # the deployment's secret; none: every file is a miss
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self._scan()
+            self._open(Path(root))
         except OSError as err:
             self._stop_writing(f"cannot use {self.dir}: {err}")
+
+    def _open(self, root: Path) -> None:
+        """Check the directories, get the key, index what is there (OSError: unusable)."""
+        for folder in (root, self.dir):  # a new one only its user may enter
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            check_directory(folder)
+        self._key = deployment_key(root)
+        self._scan()
 
     def __len__(self) -> int:
         return len(self._index)
@@ -68,7 +90,7 @@ class DiskTier:
         """Known here, or written by another engine sharing the directory since the scan."""
         if name in self._index:
             return True
-        if self.path(name).is_file():
+        if _is_regular(self.path(name)):
             self._remember(name)
             self._changed("stored", name)
             return True
@@ -81,10 +103,11 @@ class DiskTier:
 
     def write(self, name: bytes, chunk: torch.Tensor) -> bool:
         """Write one chunk (writer thread). False if writing is off or failed."""
-        if not self.writable:
+        if not self.writable or not self._key:
             return False
         payload = chunk.contiguous().view(torch.uint8).numpy().tobytes()
-        header = _HEADER.pack(_MAGIC, self.fingerprint, name, len(payload), zlib.crc32(payload))
+        fields = _FIELDS.pack(_MAGIC, self.fingerprint, name, len(payload))
+        header = _HEADER.pack(fields, chunk_mac(self._key, fields, payload))
         final = self.path(name)
         tmp = final.with_name(f"{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
@@ -105,33 +128,34 @@ class DiskTier:
 
     @staticmethod
     def _write_file(path: Path, data: bytes) -> None:
-        with open(path, "wb") as f:
-            f.write(data)
+        # a new file of ours: never through a symlink planted at the temporary name
+        write_exclusive(path, data)
 
     def read(self, name: bytes) -> torch.Tensor | None:
-        """The chunk, or None if its file is missing or does not check out (a miss)."""
+        """The chunk, or None if its file is missing or does not check out (a miss). Reads
+        at most one chunk file's size, from a regular file only, and never blocks on it."""
         path = self.path(name)
+        if not self._key:
+            return None
         try:
-            data = path.read_bytes()
+            data = read_bounded(path, self.file_nbytes)
         except FileNotFoundError:
             with self._lock:
                 known = self._index.pop(name, 0) is None
             if known:
                 self._changed("removed", name)
             return None
-        except OSError as err:
-            self._bad(name, path, f"unreadable: {err}")
+        except (UntrustedFile, OSError) as err:
+            self._bad(name, path, f"unreadable: {err}" if isinstance(err, OSError) else str(err))
             return None
-        if len(data) != self.file_nbytes:
-            self._bad(name, path, f"{len(data)} bytes, expected {self.file_nbytes} (truncated?)")
-            return None
-        magic, fingerprint, stored_name, nbytes, crc = _HEADER.unpack_from(data)
+        fields, mac = _HEADER.unpack_from(data)
+        magic, fingerprint, stored_name, nbytes = _FIELDS.unpack(fields)
         payload = memoryview(data)[_HEADER.size :]
         if magic != _MAGIC or fingerprint != self.fingerprint or stored_name != name:
             self._bad(name, path, "written for another model, layout or chunk")
             return None
-        if nbytes != len(payload) or zlib.crc32(payload) != crc:
-            self._bad(name, path, "checksum mismatch (corrupt)")
+        if nbytes != len(payload) or not macs_equal(chunk_mac(self._key, fields, payload), mac):
+            self._bad(name, path, "its MAC does not check out (corrupt, or not written here)")
             return None
         self._remember(name)
         chunk = torch.frombuffer(bytearray(payload), dtype=self.layout.dtype)
@@ -144,7 +168,11 @@ class DiskTier:
             if entry.name.endswith(".tmp"):
                 if not _writer_alive(entry.name):  # a write that never finished
                     Path(entry.path).unlink(missing_ok=True)
-            elif entry.name.endswith(".kv") and len(entry.name) == 2 * NAME_BYTES + 3:
+            elif (
+                entry.name.endswith(".kv")
+                and len(entry.name) == 2 * NAME_BYTES + 3
+                and entry.is_file(follow_symlinks=False)
+            ):
                 files.append((entry.stat().st_mtime, bytes.fromhex(entry.name[:-3])))
         for _, name in sorted(files):
             self._index[name] = None
@@ -171,7 +199,10 @@ class DiskTier:
         self.num_bad_files += 1
         with self._lock:
             known = self._index.pop(name, 0) is None
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:  # a directory under a chunk's name, say: a miss all the same
+            pass
         if known:
             self._changed("removed", name)
         self._warn_once(
@@ -194,6 +225,14 @@ class DiskTier:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message)
+
+
+def _is_regular(path: Path) -> bool:
+    """A regular file itself, not a symlink to one (nor a FIFO, which read would refuse)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _writer_alive(tmp_name: str) -> bool:

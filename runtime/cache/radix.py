@@ -1,7 +1,7 @@
 """Radix tree over token ids whose nodes hold KV slot indices (never KV bytes).
 
 Semantics follow SGLang's RadixCache (node = maximal run shared by the same requests, lock_ref
-along root paths, leaf-first eviction), with four differences:
+along root paths, leaf-first eviction), with five differences:
 - `match_prefix` is pure: a match ending inside an edge returns a `TreePosition` and splits
   nothing; `lock` (or `insert`) splits only when it must.
 - Eviction candidates (unlocked leaves) are kept in policy order incrementally, so `evict` costs
@@ -10,11 +10,14 @@ along root paths, leaf-first eviction), with four differences:
   tail it must, and its head stays cached.
 - Recency and hit counts come from `lock`/`unlock`/`insert` (real uses) on a logical clock, so
   scoring a match for scheduling does not count as a use and orders are deterministic.
+- A namespace's root exists only while it holds tokens: a read of an unknown namespace makes
+  none, and eviction drops the root it empties (names are the clients'; only KV pays for them).
 """
 
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TextIO
@@ -27,6 +30,9 @@ from runtime.cache.token_index import TokenIndex
 from runtime.prefix import common_prefix_len
 
 Namespace = Hashable  # cache salt / adapter id; None is the default namespace
+# live namespaces (roots) per owner: past it, a new namespace's tokens are not cached (they stay
+# the request's) until one of the owner's namespaces empties
+MAX_NAMESPACES_PER_OWNER = 1024
 DemoteSink = Callable[[Namespace, tuple[int, ...], int, torch.Tensor], None]
 
 
@@ -89,6 +95,18 @@ class TreeNode:
     def __repr__(self) -> str:
         head = ",".join(map(str, self.key[:6])) + ("..." if len(self.key) > 6 else "")
         return f"TreeNode(len={len(self.key)}, key=[{head}], depth={self.depth}, r={self.lock_ref})"
+
+
+class RootNode(TreeNode):
+    """A namespace's root: no tokens, permanently locked, and it knows its namespace (so a
+    path's namespace is read off its root, never searched for among all the roots)."""
+
+    __slots__ = ("namespace",)
+
+    def __init__(self, namespace: Namespace, now: int) -> None:
+        super().__init__((), _EMPTY, None, 0, now)
+        self.namespace = namespace
+        self.lock_ref = 1  # permanently locked: lock/unlock walks stop here
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +193,7 @@ class RadixCache:
         """Longest cached prefix of `token_ids` (whole pages). Pure: mutates nothing."""
         key = _as_key(token_ids)
         key = key[: len(key) // self.page_size * self.page_size]
-        node, pos, values = self._root(namespace), 0, []
+        node, pos, values = self._roots.get(namespace, self._absent), 0, []
         while pos < len(key):
             child = node.children.get(self._child_key(key, pos))
             if child is None:
@@ -209,7 +227,7 @@ class RadixCache:
         aligned_len = len(key) // self.page_size * self.page_size
         key = key[:aligned_len]
         now = self._tick()
-        node = self._root(namespace)
+        node = self._roots.get(namespace, self._absent)
         pos = 0
         values: list[torch.Tensor] = []
         while pos < aligned_len:
@@ -232,6 +250,11 @@ class RadixCache:
         if pos < aligned_len:
             new_indices = indices[pos:aligned_len].to(torch.int64).clone()
             self._check_new_slots(new_indices)
+            if node is self._absent:  # a namespace's root exists while it holds tokens
+                if self._roots_of[owner_of(namespace)] >= MAX_NAMESPACES_PER_OWNER:
+                    return InsertResult(0, TreePosition(node, 0), _EMPTY)  # caches nothing
+                node = self._roots[namespace] = RootNode(namespace, now)
+                self._roots_of[owner_of(namespace)] += 1
             leaf = TreeNode(key[pos:], new_indices, node, aligned_len, now, priority)
             node.children[self._child_key(key, pos)] = leaf
             self._candidates.discard(node)
@@ -359,15 +382,14 @@ class RadixCache:
             keys.append(node.key)
             values.append(node.value)
             node = node.parent
-        namespace = next(ns for ns, root in self._roots.items() if root is node)
         path = tuple(t for key in reversed(keys) for t in key)
-        return namespace, path, _cat(values[::-1])
+        return node.namespace, path, _cat(values[::-1])
 
     def namespace_of(self, node: TreeNode) -> Namespace:
         """The namespace whose tree holds `node`."""
         while node.parent is not None:
             node = node.parent
-        return next(ns for ns, root in self._roots.items() if root is node)
+        return node.namespace
 
     def match_is_current(self, position: TreePosition, version: int) -> bool:
         """Whether a match that ended at `position` when its node had `version` still holds."""
@@ -434,8 +456,11 @@ class RadixCache:
         evictable = protected = wanted = num_nodes = 0
         candidates: set[int] = set()
         slot_chunks: list[torch.Tensor] = []
-        for root in self._roots.values():
+        for namespace, root in self._roots.items():
             assert root.lock_ref == 1 and root.depth == 0 and not root.key, "bad root"
+            assert root.namespace == namespace and not root.evicted, f"root of {namespace!r}"
+            # an empty namespace's root is dropped (names cost memory; only KV pays for them)
+            assert namespace is None or root.children, f"empty root kept: {namespace!r}"
             stack = [root]
             while stack:
                 node = stack.pop()
@@ -465,6 +490,8 @@ class RadixCache:
                     stack.append(child)
                 if node.parent is not None:  # the root's lock is fixed; walks stop below it
                     assert node.lock_ref >= child_locks, f"lock_ref below children's: {node!r}"
+        owners = Counter(owner_of(ns) for ns in self._roots if ns is not None)
+        assert owners == self._roots_of, f"namespaces per owner drifted: {self._roots_of}"
         assert evictable == self.evictable_size, f"{evictable=} != {self.evictable_size=}"
         assert protected == self.protected_size, f"{protected=} != {self.protected_size=}"
         assert wanted == self.wanted_size, f"{wanted=} != {self.wanted_size=}"
@@ -540,26 +567,18 @@ class RadixCache:
     # ---------------------------------------------------------------- internals
     def _init_tree(self) -> None:
         self._clock = 0
-        self._roots: dict[Namespace, TreeNode] = {None: self._new_root()}
+        self._roots: dict[Namespace, RootNode] = {None: RootNode(None, 0)}
+        # what a read of a namespace without a root sees: no tokens, and "evicted", so a
+        # match ending there is never current (it is matched again once the root exists)
+        self._absent = RootNode(None, 0)
+        self._absent.evicted = True
+        self._roots_of: Counter[Namespace] = Counter()  # live namespaces per owner (owner_of)
         self._candidates = CandidateQueue(self.policy)
         self._slot_in_tree = torch.zeros(self.allocator.num_slots, dtype=torch.bool)
         self.evictable_size = 0
         self.protected_size = 0
         self.wanted_size = 0  # evictable tokens the policy says a known reader needs soon
         self.num_nodes = 0
-
-    def _root(self, namespace: Namespace) -> TreeNode:
-        """The namespace's root; an empty one is made on first sight (it holds no tokens, so
-        matches stay pure in every sense that matters: no edge is split, nothing is touched)."""
-        root = self._roots.get(namespace)
-        if root is None:
-            root = self._roots[namespace] = self._new_root()
-        return root
-
-    def _new_root(self) -> TreeNode:
-        root = TreeNode((), _EMPTY, None, 0, self._clock)
-        root.lock_ref = 1  # permanently locked: lock/unlock walks stop here
-        return root
 
     def _tick(self) -> int:
         self._clock += 1
@@ -581,6 +600,8 @@ class RadixCache:
             node, prefix_len = where.node, where.prefix_len
         while node.parent is not None and node.parent.depth >= prefix_len:
             node = node.parent  # edges split since the position was taken
+        if node.parent is None:
+            return node  # a root (maybe dropped since): nothing to lock, nothing stale
         if node.evicted:
             raise StalePositionError(f"the prefix at {node!r} was evicted after it was matched")
         if prefix_len == node.depth:
@@ -648,9 +669,24 @@ class RadixCache:
         self.evictable_size -= len(node.key)
         if self.policy.wanted(node):
             self.wanted_size -= len(node.key)
-        if parent.parent is not None and not parent.children and parent.lock_ref == 0:
+        if parent.parent is None:
+            if not parent.children and parent.namespace is not None:
+                self._drop_root(parent)
+            return None
+        if not parent.children and parent.lock_ref == 0:
             return parent
         return None
+
+    def _drop_root(self, root: RootNode) -> None:
+        """Forget an emptied namespace's root: a client naming a new namespace per request
+        must not leave one root (and its name) behind for each. Matches ending at it are no
+        longer current (`evicted`), so waiting requests match again."""
+        del self._roots[root.namespace]
+        root.evicted = True
+        owner = owner_of(root.namespace)
+        self._roots_of[owner] -= 1
+        if not self._roots_of[owner]:
+            del self._roots_of[owner]
 
     def _release(self, victims: list[TreeNode]) -> None:
         """Give evicted leaves' slots back to the allocator in one call."""
@@ -681,8 +717,7 @@ class RadixCache:
             keys.append(node.key)
             node = node.parent
         path = tuple(t for key in reversed(keys) for t in key)
-        namespace = next(ns for ns, root in self._roots.items() if root is node)
-        self.event_sink("removed", namespace, path, len(path) - len(leaf.key))
+        self.event_sink("removed", node.namespace, path, len(path) - len(leaf.key))
 
     def _iter_nodes(self):
         for root in self._roots.values():
@@ -694,6 +729,13 @@ class RadixCache:
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def owner_of(namespace: Namespace) -> Hashable:
+    """Whose a namespace is: its first '/'-separated part (the server puts the API key's tag
+    there), the namespace itself if it is no string. Namespaces, hints and remembered program
+    branches are bounded per owner."""
+    return namespace.split("/", 1)[0] if isinstance(namespace, str) else namespace
 
 
 def _cat(values: list[torch.Tensor]) -> torch.Tensor:

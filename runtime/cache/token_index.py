@@ -16,6 +16,7 @@ and is checked on every slot read, so a guess never comes from another tenant's 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable, Sequence
 
 NGRAM = 3  # tokens a key holds: the shortest context a guess starts from
@@ -37,13 +38,26 @@ class TokenIndex:
         self._gram: list[tuple | None] = [None] * num_slots  # the key listing this slot
         self._grams: dict[tuple, list[int]] = {}
         self._space_ids: dict[Hashable, int] = {}
+        # per space id: its namespace and how many slots it holds; a space that holds none is
+        # forgotten, so the ids of namespaces that came and went do not pile up
+        self._space_names: dict[int, Hashable] = {}
+        self._space_len: dict[int, int] = {}
+        self._next_space = 0
 
     # ------------------------------------------------------------------ the tree's side
     def space_id(self, namespace: Hashable) -> int:
+        """`namespace`'s id, a new one (never reused) if it holds no slot now."""
         ident = self._space_ids.get(namespace)
         if ident is None:
-            ident = self._space_ids[namespace] = len(self._space_ids)
+            ident = self._space_ids[namespace] = self._next_space
+            self._space_names[ident], self._space_len[ident] = namespace, 0
+            self._next_space += 1
         return ident
+
+    @property
+    def num_spaces(self) -> int:
+        """Namespaces that hold at least one indexed slot."""
+        return len(self._space_ids)
 
     def inserted(
         self,
@@ -55,7 +69,10 @@ class TokenIndex:
     ) -> None:
         """The tree added the edge key[start:] -> slots after the path whose last slot is
         `prev_slot` (_NONE at a root); key[:start] is that path's tail (for trigrams)."""
+        if not slots:
+            return
         space = self.space_id(namespace)
+        self._space_len[space] += len(slots)
         token, prev, nxt, spaces, gram_of, grams = (
             self._token,
             self._prev,
@@ -95,8 +112,18 @@ class TokenIndex:
                 if not anchors:
                     del grams[gram]
                 gram_of[slot] = None
+            space = self._space[slot]
+            if space != _NONE:
+                self._forget_slot_of(space)
             self._space[slot] = _NONE
             self._token[slot] = _NONE
+
+    def _forget_slot_of(self, space: int) -> None:
+        """One slot of `space` left the tree; the space itself goes with its last slot."""
+        self._space_len[space] -= 1
+        if not self._space_len[space]:
+            del self._space_len[space]
+            del self._space_ids[self._space_names.pop(space)]
 
     def reset(self) -> None:
         self.__init__(self.num_slots)
@@ -181,6 +208,9 @@ class TokenIndex:
                 assert self._space[slot] == gram[0] and self._token[slot] == gram[3], slot
                 if tree_slots is not None:
                     assert slot in tree_slots, f"slot {slot} indexed but not in the tree"
+        held = Counter(s for s in self._space if s != _NONE)
+        assert held == Counter({k: n for k, n in self._space_len.items() if n}), "space counts"
+        assert set(self._space_len) == set(self._space_names) == set(self._space_ids.values())
         if tree_slots is not None:
             listed = {s: self._token[s] for s in range(self.num_slots) if self._space[s] != _NONE}
             assert listed == tree_slots, "the index and the tree disagree on their tokens"

@@ -8,6 +8,10 @@ nothing else; the server awaits them before it submits, so a waiting compile hol
 Tenants take turns (round robin), so one tenant's backlog delays another tenant's compile by
 at most one of its compiles, and a tenant may have MAX_QUEUED_COMPILES_PER_TENANT compiles
 queued or running (CompileQueueFullError beyond: a 429 over HTTP).
+
+The thread runs at a lower priority (COMPILE_NICENESS), as the trial's child process and the
+mask workers do: a grammar compiled again in the server's process (a large one, grammar.py)
+takes only the cores the forward leaves idle, whatever kind of constraint it is.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from runtime.constrain.masks import lower_thread_priority
+
 MAX_QUEUED_COMPILES_PER_TENANT = 8
+COMPILE_NICENESS = 10  # added to the compile thread's nice value: the forward's threads first
 
 
 class CompileQueueFullError(Exception):
@@ -84,6 +91,7 @@ class CompileQueue:
             return tenant, job, future
 
     def _work(self) -> None:
+        lower_thread_priority(COMPILE_NICENESS)
         while True:
             tenant, job, future = self._next()
             try:

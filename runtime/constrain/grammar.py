@@ -15,7 +15,12 @@ from typing import Any
 
 import torch
 
-from runtime.constrain.check import GrammarSyntaxUnknown, endless_rules
+from runtime.constrain.check import (
+    MAX_NESTING_DEPTH,
+    GrammarSyntaxUnknown,
+    endless_rules,
+    nests_deeper,
+)
 from runtime.constrain.probe import GrammarProbe, ProbeVerdict, compile_constraint
 from runtime.protocol import Constraint
 
@@ -28,13 +33,23 @@ MAX_CONSTRAINT_BYTES = 64 << 10  # a regex, grammar, schema or choice list, seri
 COMPILE_BUDGET_S = 10.0
 COMPILE_MEMORY_BYTES = 512 << 20  # what one trial compile may allocate (its child process)
 MAX_COMPILED_BYTES = 32 << 20  # one compiled grammar, kept in the server
-MAX_CACHED_BYTES = 256 << 20  # every compiled grammar kept (least recently used go first)
-MAX_SCHEMA_DEPTH = 64  # nested objects and lists in a JSON schema (recursion everywhere)
+# per tenant: every compiled grammar one tenant keeps (its least recently used go first)
+MAX_CACHED_BYTES = 256 << 20
+MAX_CACHED_GRAMMARS = 1024  # per tenant, whatever their size
+MAX_SCHEMA_DEPTH = MAX_NESTING_DEPTH  # nested objects and lists in a JSON schema
+# a structural tag's own levels around the schemas it holds (format, elements, tag, content)
+MAX_TAG_WRAPPING = 16
 
 
 class GrammarCache:
-    """Compiles each distinct constraint once (a trial in a memory-limited child process
-    first, see probe.py) and makes matchers for requests."""
+    """Compiles each distinct constraint once per tenant (a trial in a memory-limited child
+    process first, see probe.py, whose result is kept when it is small) and makes matchers for
+    requests.
+
+    Each tenant (the API key the server names; None in process) has a cache of its own: a
+    constraint another tenant compiled is compiled again, so how long a compile takes says
+    nothing about what other tenants sent.
+    """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         try:
@@ -51,29 +66,35 @@ class GrammarCache:
         self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
         )
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
+        # one thread: a compile in the server takes at most one core from the forward
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.blocked = torch.zeros(vocab_size, dtype=torch.bool)  # special tokens but EOS
         for token_id, token in getattr(tokenizer, "added_tokens_decoder", {}).items():
             if token.special and token_id not in eos_token_ids and token_id < vocab_size:
                 self.blocked[token_id] = True
-        self._compiled: OrderedDict[str, Any] = OrderedDict()  # least recently used first
+        # tenant -> constraint_key -> compiled grammar, least recently used first
+        self._compiled: dict[str | None, OrderedDict[str, Any]] = {}
         self._lock = threading.Lock()
         self.probe = GrammarProbe(self.info.serialize_json(), COMPILE_MEMORY_BYTES)
         self.probe.start()
-        self.compile_seconds: dict[str, float] = {}
+        self.compile_seconds: dict[tuple[str | None, str], float] = {}
+        self.num_trials_kept = 0  # grammars taken from the trial (no compile in this process)
+        self.num_compiled_here = 0  # grammars compiled again in this process (large ones)
 
-    def is_compiled(self, key: str) -> bool:
-        """Whether the constraint of `key` (constraint_key) is compiled and cached: compile()
+    def is_compiled(self, key: str, tenant: str | None = None) -> bool:
+        """Whether the constraint of `key` (constraint_key) is in `tenant`'s cache: compile()
         would return at once."""
         with self._lock:
-            return key in self._compiled
+            return key in self._compiled.get(tenant, {})
 
-    def compile(self, constraint: Constraint) -> Any:
+    def compile(self, constraint: Constraint, tenant: str | None = None) -> Any:
+        """`constraint` compiled, from `tenant`'s cache or now (InvalidConstraintError)."""
         key = constraint_key(constraint)
         with self._lock:
-            if key in self._compiled:
-                self._compiled.move_to_end(key)
-                return self._compiled[key]
+            cached = self._compiled.get(tenant, {})
+            if key in cached:
+                cached.move_to_end(key)
+                return cached[key]
         kind = constraint.kind
         if len(key) > MAX_CONSTRAINT_BYTES:
             raise InvalidConstraintError(
@@ -83,24 +104,35 @@ class GrammarCache:
         started = time.perf_counter()
         verdict = self.probe.trial(constraint, COMPILE_BUDGET_S)
         _check_trial(verdict, kind, self.probe.memory_limit_bytes)
-        try:
-            compiled = compile_constraint(self.compiler, constraint)
-        except (RuntimeError, ValueError, TypeError) as err:  # the trial passed: unexpected
-            raise InvalidConstraintError(f"invalid {kind}: {err}") from err
+        compiled = self._kept_or_compiled(constraint, verdict)
         _refuse_endless(compiled, kind)
         with self._lock:
-            self._compiled[key] = compiled
-            self.compile_seconds[key] = time.perf_counter() - started
-            self._evict()
+            cached = self._compiled.setdefault(tenant, OrderedDict())
+            cached[key] = compiled
+            self.compile_seconds[tenant, key] = time.perf_counter() - started
+            self._evict(tenant, cached)
         return compiled
 
-    def _evict(self) -> None:
-        """Drop the least recently used grammars past MAX_CACHED_BYTES (requests that hold
-        one keep it alive; a later request compiles it again)."""
-        total = sum(c.memory_size_bytes for c in self._compiled.values())
-        while total > MAX_CACHED_BYTES and len(self._compiled) > 1:
-            key, compiled = self._compiled.popitem(last=False)
-            self.compile_seconds.pop(key, None)
+    def _kept_or_compiled(self, constraint: Constraint, verdict: ProbeVerdict) -> Any:
+        """The trial's grammar when it sent it (a small one), else compiled again here: on the
+        compile queue's thread, one core at a lower priority (compile_queue.py)."""
+        if verdict.grammar:
+            self.num_trials_kept += 1
+            return self._xgr.CompiledGrammar.deserialize_json(verdict.grammar, self.info)
+        self.num_compiled_here += 1
+        try:
+            return compile_constraint(self.compiler, constraint)
+        except (RuntimeError, ValueError, TypeError) as err:  # the trial passed: unexpected
+            raise InvalidConstraintError(f"invalid {constraint.kind}: {err}") from err
+
+    def _evict(self, tenant: str | None, cached: OrderedDict[str, Any]) -> None:
+        """Drop `tenant`'s least recently used grammars past MAX_CACHED_BYTES or
+        MAX_CACHED_GRAMMARS (requests that hold one keep it alive; a later request compiles it
+        again). Only the tenant's own: another tenant's use never evicts them."""
+        total = sum(c.memory_size_bytes for c in cached.values())
+        while len(cached) > 1 and (total > MAX_CACHED_BYTES or len(cached) > MAX_CACHED_GRAMMARS):
+            key, compiled = cached.popitem(last=False)
+            self.compile_seconds.pop((tenant, key), None)
             total -= compiled.memory_size_bytes
 
     def new_state(self, compiled: Any) -> ConstraintState:
@@ -114,23 +146,19 @@ def constraint_key(constraint: Constraint) -> str:
 
 
 def check_nesting(constraint: Constraint) -> None:
-    """Refuse a JSON schema nested deeper than MAX_SCHEMA_DEPTH, before anything recurses
-    through it (serializing, hashing, converting to a grammar each recurse per level)."""
-    if constraint.json_schema is None:
-        return
-    level: list = [constraint.json_schema]
-    for _ in range(MAX_SCHEMA_DEPTH + 1):
-        level = [
-            child
-            for node in level
-            for child in (node.values() if isinstance(node, dict) else node)
-            if isinstance(child, dict | list)
-        ]
-        if not level:
-            return
-    raise InvalidConstraintError(
-        f"the json_schema nests deeper than {MAX_SCHEMA_DEPTH} levels of objects and lists"
-    )
+    """Refuse a JSON schema (or a structural tag, the schemas it holds) nested deeper than
+    MAX_SCHEMA_DEPTH, before anything recurses through it (serializing, hashing, converting to
+    a grammar each recurse per level)."""
+    if constraint.json_schema is not None and nests_deeper(constraint.json_schema):
+        raise InvalidConstraintError(
+            f"the json_schema nests deeper than {MAX_SCHEMA_DEPTH} levels of objects and lists"
+        )
+    tag = constraint.structural_tag
+    if tag is not None and nests_deeper(tag, MAX_SCHEMA_DEPTH + MAX_TAG_WRAPPING):
+        raise InvalidConstraintError(
+            f"the structural_tag nests deeper than {MAX_SCHEMA_DEPTH + MAX_TAG_WRAPPING} levels "
+            f"of objects and lists (a schema in it: at most {MAX_SCHEMA_DEPTH})"
+        )
 
 
 def _check_trial(verdict: ProbeVerdict, kind: str, memory_limit_bytes: int) -> None:

@@ -136,7 +136,7 @@ class MaskWorkers:
                 self._cond.wait(timeout_s)
 
     def _work(self) -> None:
-        _lower_priority()
+        lower_thread_priority(WORKER_NICENESS)
         while True:
             with self._cond:
                 while not self._queued:
@@ -163,12 +163,13 @@ class MaskWorkers:
                 self._cond.notify_all()
 
 
-def _lower_priority() -> None:
-    """Lower this thread's scheduling priority, where the OS has per-thread nice values."""
+def lower_thread_priority(niceness: int) -> None:
+    """Lower this thread's scheduling priority by `niceness`, where the OS has per-thread nice
+    values (the grammar compiles' thread lowers its own too: compile_queue.py)."""
     try:
         tid = threading.get_native_id()
         os.setpriority(
-            os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICENESS)
+            os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
         )
     except (AttributeError, OSError):  # not Linux, or not allowed: same priority, same results
         pass

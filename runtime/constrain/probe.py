@@ -3,9 +3,10 @@
 xgrammar compiles in C++ and cannot be interrupted or limited from Python: a regex of a few
 kilobytes can take gigabytes and minutes (`((a|b)*c{1}|...|(a|b)*c{5000})`). So a constraint
 is first compiled here, in a child process whose address space is capped (RLIMIT_AS) and
-which is killed when it runs past its time budget; only a constraint that compiled within both
-is compiled again in the server's own process. The child sends back the compiled grammar's
-size, not the grammar itself: xgrammar's serialized form can be 30x its size in memory.
+which is killed when it runs past its time budget. The child sends back the compiled grammar's
+size and, when the grammar is small (KEEP_GRAMMAR_BYTES), the grammar itself, serialized: the
+server keeps it and compiles nothing. A larger one is compiled again in the server's process
+(xgrammar's serialized form can be 60x its size in memory, and take longer than compiling).
 
 The child is `python -m runtime.constrain.probe MEMORY_LIMIT_BYTES`: it reads the
 tokenizer info (one JSON line on its stdin), says "ready", then answers each constraint (one
@@ -37,6 +38,7 @@ class ProbeVerdict:
     outcome: str
     detail: str = ""
     num_bytes: int = 0
+    grammar: str = ""  # "ok" and small: the compiled grammar, serialized (xgrammar's JSON)
 
 
 def compile_constraint(compiler: Any, constraint: Constraint) -> Any:
@@ -147,6 +149,8 @@ def _death(returncode: int) -> ProbeVerdict:
     return ProbeVerdict("crashed", f"exit status {returncode}")
 
 
+KEEP_GRAMMAR_BYTES = 512 << 10  # a compiled grammar this small is sent back, serialized
+MAX_SENT_CHARS = 4 << 20  # ... unless its serialized form is longer (parsed holding the GIL)
 CHILD_NICENESS = 10  # trials are background work: a slow one must not slow everyone's steps
 
 
@@ -177,7 +181,19 @@ def _verdict(compiler: Any, constraint: Constraint) -> dict:
         if "bad_alloc" in message:  # C++'s MemoryError, passed on as a RuntimeError
             return {"outcome": "memory"}
         return {"outcome": "invalid", "detail": message.splitlines()[0] if message else ""}
-    return {"outcome": "ok", "num_bytes": int(compiled.memory_size_bytes)}
+    num_bytes = int(compiled.memory_size_bytes)
+    return {"outcome": "ok", "num_bytes": num_bytes, "grammar": _serialized(compiled, num_bytes)}
+
+
+def _serialized(compiled: Any, num_bytes: int) -> str:
+    """The grammar as xgrammar serializes it when it is small enough to send; else ""."""
+    if num_bytes > KEEP_GRAMMAR_BYTES:
+        return ""
+    try:
+        text = compiled.serialize_json()
+    except (MemoryError, RuntimeError):  # past the memory limit: the server compiles it
+        return ""
+    return text if len(text) <= MAX_SENT_CHARS else ""
 
 
 def _limit_address_space(extra_bytes: int) -> None:

@@ -3,7 +3,8 @@ split off the output whole or while it streams. Torch-free (flowlang imports it)
 
 Two formats, the same markers: "think" (Qwen3 and the like: the model opens the block itself)
 and "deepseek-r1" (the prompt's generation prefix already opened it, so the output starts
-inside the block). Which case a request is in is read off its prompt: `in_reasoning`.
+inside the block). Which case a request is in is read off the template's generation prompt
+(never off the messages, which a user writes): `in_reasoning`.
 """
 
 from __future__ import annotations

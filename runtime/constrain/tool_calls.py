@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import regex
 
+from runtime.constrain.check import MAX_NESTING_DEPTH, nests_deeper
 from runtime.constrain.reasoning import ReasoningFormat
 from runtime.protocol import TOOL_NAME_PATTERN, Constraint, ToolCall, ToolSpec
 
@@ -348,7 +349,8 @@ class ToolCallStream:
         self.tools = _by_name(tools)
         self._buffer = ""  # text not yet taken apart
         self._offset = 0  # where the buffer starts in the output
-        self._memo: dict[int, _JsonPrefix] = {}
+        self._memo: dict[int, _JsonPrefix | _Inner] = {}
+        self._memo_kept = 0  # entries after the last filtering
         self._content = _Content(tool_format.separator)
         self._num_calls = 0
         self._finished = False
@@ -373,7 +375,9 @@ class ToolCallStream:
         )
         self._buffer = self._buffer[done:]
         self._offset += done
-        self._memo = {at: json for at, json in self._memo.items() if at >= self._offset}
+        if len(self._memo) > 2 * self._memo_kept + 64:  # amortized: linear over the stream
+            self._memo = {at: json for at, json in self._memo.items() if at >= self._offset}
+            self._memo_kept = len(self._memo)
         events: list[StreamEvent] = []
         for segment in segments:
             if isinstance(segment, str):
@@ -530,6 +534,11 @@ def _object_schema(tool: ToolSpec) -> dict:
         raise InvalidTools(
             f"the parameters of tool {tool.name!r} must be an object schema, not type {kind!r}"
         )
+    if nests_deeper(schema):  # before anything recurses through it (as json_schema's check)
+        raise InvalidTools(
+            f"the parameters of tool {tool.name!r} nest deeper than {MAX_NESTING_DEPTH} levels "
+            "of objects and lists"
+        )
     return {"type": "object", **schema}
 
 
@@ -558,7 +567,9 @@ def _call_of(value: object, tools: dict[str, ToolSpec], *extra_keys: str) -> tup
         return None
     arguments = [value[key] for key in _ARGUMENT_KEYS if key in value]
     name = value.get("name")
-    if len(arguments) != 1 or not isinstance(arguments[0], dict) or name not in tools:
+    if len(arguments) != 1 or not isinstance(arguments[0], dict):
+        return None
+    if not isinstance(name, str) or name not in tools:  # a list or an object is no name
         return None
     call = _call(name, arguments[0])
     return call[0] if call else None
@@ -632,10 +643,18 @@ class _Reader:
     def json_end(self, start: int) -> int | None:
         """Where the JSON object or array at `start` ends; -1 when it is unfinished, None when
         it is no JSON."""
-        prefix = self.memo.get(self.offset + start)
+        key = self.offset + start
+        prefix = self.memo.get(key)
         if prefix is None:
-            prefix = self.memo[self.offset + start] = _JsonPrefix()
-        return prefix.read(self.text, start)
+            prefix = self.memo[key] = _JsonPrefix()
+        end = prefix.read(self.text, start)
+        # the values that start inside it are known with it: a later trigger there reads
+        # nothing again (else text like `[{"name": ` repeated is read once per trigger)
+        outer, base = prefix.outer, key - prefix.rel
+        for rel in outer.inner:
+            self.memo.setdefault(base + rel, _Inner(outer, rel))
+        outer.inner.clear()
+        return end
 
     def value(self, start: int, end: int) -> object:
         """The JSON value text[start:end] (read whole by json_end), or None."""
@@ -643,6 +662,26 @@ class _Reader:
             return json.loads(self.text[start:end], strict=False)
         except (ValueError, RecursionError):  # nested past Python's recursion limit
             return None
+
+
+class _Inner:
+    """A JSON value that starts at a bracket inside a value being read (`rel` characters into
+    it): it ends where that one closes the bracket, and while the bracket is open it fails or
+    stays unfinished with it (the same characters read in the same state), so its text is
+    read once, by the outer value."""
+
+    __slots__ = ("outer", "rel")
+
+    def __init__(self, outer: _JsonPrefix, rel: int) -> None:
+        self.outer, self.rel = outer, rel
+
+    def read(self, text: str, start: int) -> int | None:
+        """As _JsonPrefix.read, for the value at `start`."""
+        end = self.outer.read(text, start - self.rel)
+        length = self.outer.closed.get(self.rel)
+        if length is not None:
+            return start + length
+        return None if end is None else -1
 
 
 # _JsonPrefix states
@@ -663,7 +702,10 @@ class _JsonPrefix:
     characters inside strings too) a piece at a time:
     says where it ends, that it is unfinished, or that no more text can make it JSON."""
 
-    __slots__ = ("read_chars", "stack", "state", "key", "need", "result")
+    __slots__ = (
+        "read_chars", "stack", "state", "key", "need", "result", "opens", "closed", "inner",
+    )  # fmt: skip
+    rel = 0  # where it starts in the value it reads (itself: see _Inner)
 
     def __init__(self) -> None:
         self.read_chars = 0  # read so far, from the value's start
@@ -672,6 +714,14 @@ class _JsonPrefix:
         self.key = False  # the string being read is an object's key
         self.need = ""  # the rest of a literal, or as many characters as hex digits are due
         self.result: int | None = -1  # its length, -1 while unfinished, None once it is no JSON
+        self.opens: list[int] = []  # where each open bracket of `stack` is, from the start
+        self.closed: dict[int, int] = {}  # inner values read whole: their start -> length
+        self.inner: list[int] = []  # starts of inner values opened, not yet told the reader
+
+    @property
+    def outer(self) -> _JsonPrefix:
+        """The value whose reading this one's is (itself)."""
+        return self
 
     def read(self, text: str, start: int) -> int | None:
         """Read on in `text` (the value starts at `start`): its end, -1 or None."""
@@ -695,16 +745,15 @@ class _JsonPrefix:
                 pass
             elif state in (_START, _VALUE, _VALUE_OR_CLOSE):
                 if c == "{":
-                    stack.append(c)
+                    self._open(c, i - start)
                     state = _KEY_OR_CLOSE
                 elif c == "[":
-                    stack.append(c)
+                    self._open(c, i - start)
                     state = _VALUE_OR_CLOSE
                 elif state == _START:
                     return self._fail()
                 elif c == "]" and state == _VALUE_OR_CLOSE:
-                    stack.pop()
-                    if not stack:
+                    if not self._close(i - start):
                         return self._done(i + 1, start)
                     state = _AFTER
                 elif c == '"':
@@ -723,8 +772,7 @@ class _JsonPrefix:
                 if c == '"':
                     state, self.key = _STRING, True
                 elif c == "}" and state == _KEY_OR_CLOSE:
-                    stack.pop()
-                    if not stack:
+                    if not self._close(i - start):
                         return self._done(i + 1, start)
                     state = _AFTER
                 else:
@@ -737,8 +785,7 @@ class _JsonPrefix:
                 if c == ",":
                     state = _KEY if stack[-1] == "{" else _VALUE
                 elif c == ("}" if stack[-1] == "{" else "]"):
-                    stack.pop()
-                    if not stack:
+                    if not self._close(i - start):
                         return self._done(i + 1, start)
                 else:
                     return self._fail()
@@ -786,6 +833,21 @@ class _JsonPrefix:
             i += 1
         self.read_chars, self.state = i - start, state
         return -1
+
+    def _open(self, bracket: str, at: int) -> None:
+        """A bracket opens `at` characters into the value (an inner value starts there)."""
+        self.stack.append(bracket)
+        self.opens.append(at)
+        if at:
+            self.inner.append(at)
+
+    def _close(self, at: int) -> int:
+        """The innermost open bracket closes `at` characters in; how many stay open."""
+        self.stack.pop()
+        opened = self.opens.pop()
+        if self.stack:
+            self.closed[opened] = at + 1 - opened
+        return len(self.stack)
 
     def _done(self, end: int, start: int) -> int:
         self.result = end - start  # a length: the text may be cut in front before the next read

@@ -14,6 +14,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from runtime.constrain.check import nests_deeper
 from runtime.constrain.tool_calls import ToolFormat
 from runtime.protocol import ToolSpec
 
@@ -62,6 +63,19 @@ def arguments_object(arguments: Any) -> Any:
         return json.loads(arguments)
     except json.JSONDecodeError:
         return arguments
+
+
+def arguments_nest_too_deep(arguments: Any) -> bool:
+    """Whether a call's arguments (JSON text, or the object) nest deeper than json_schema's
+    limit (check.MAX_NESTING_DEPTH): rendering them would recurse per level."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return False  # text that is not JSON stays text: nothing nests
+        except RecursionError:  # deeper than the parser goes: far past the limit
+            return True
+    return nests_deeper(arguments)
 
 
 def fallback_messages(

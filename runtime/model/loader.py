@@ -8,6 +8,7 @@ about a second.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -74,6 +75,67 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     config.save_pretrained(out_dir)
     load_tokenizer(gguf_path).save_pretrained(out_dir)
     return out_dir
+
+
+WEIGHT_SUFFIXES = frozenset({".safetensors", ".gguf", ".bin", ".pt"})
+
+
+def checkpoint_digest(path: str | os.PathLike) -> str:
+    """A digest of a checkpoint's weights' bytes (every weight file, by relative name) and its
+    config.json files: what the disk tier's KV belongs to. Each file's digest is cached by its
+    stat, ctime and inode included, so a restart reads no weights twice, and weights changed
+    in place, even to the same size and mtime, get a new one (ctime cannot be set back)."""
+    root = Path(path)
+    files = sorted(root.rglob("*")) if root.is_dir() else [root]
+    digest = hashlib.sha256()
+    for file in files:
+        name = file.relative_to(root) if root.is_dir() else file.name
+        if file.is_file() and file.suffix in WEIGHT_SUFFIXES:
+            digest.update(f"{name}:{_file_digest(file)}\n".encode())
+        elif file.name == "config.json":
+            digest.update(f"{name}:".encode() + file.read_bytes() + b"\n")
+    return digest.hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of a file's bytes (~0.4 s for SmolLM2-135M's 538 MB), remembered per stat."""
+    from runtime.model.registry import cache_dir
+
+    record = cache_dir() / "weight-digests" / f"{_path_key(path)}.json"
+    stamp = _stamp(path)
+    try:
+        cached = json.loads(record.read_text())
+        if cached["stat"] == stamp:
+            return cached["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none yet, or unreadable: compute it
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    if _stamp(path) == stamp:  # not changed while read: worth remembering
+        _remember_digest(record, {"stat": stamp, "sha256": digest.hexdigest()})
+    return digest.hexdigest()
+
+
+def _stamp(path: Path) -> list[int]:
+    info = path.stat()
+    return [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns]
+
+
+def _path_key(path: Path) -> str:
+    return hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
+
+
+def _remember_digest(record: Path, entry: dict) -> None:
+    """Best effort: a read-only cache only costs the digest again next time."""
+    tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(entry))
+        os.replace(tmp, record)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from array import array
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import torch
 
@@ -38,14 +40,19 @@ from runtime.cache.allocator import SlotAllocator
 from runtime.cache.base import NullCache, PrefixCache
 from runtime.cache.graph_marks import CONTINUATION_GRACE_S, GraphMarks, NoMarks
 from runtime.cache.oracle import OracleMarks
-from runtime.cache.radix import RadixCache, TreePosition
+from runtime.cache.radix import RadixCache, TreePosition, owner_of
 from runtime.cache.tiers import KVTiers
 from runtime.config import EngineConfig
+from runtime.protocol import MAX_HINT_RETURN_S
 from runtime.scheduler.request import Req, ReqStatus
 
 PREFETCH_QUEUE_DEPTH = 16  # waiting requests, in admission order, whose disk chunks are prefetched
 HOT_READS = 2  # write_through_selective: a prefix is copied down at its second cache hit
 PREFETCH_LEAD_S = 2.0  # a branch that declared its return is prefetched this long before it
+# branches remembered per owner (paused right away; declared returns): the oldest goes first, so
+# a client naming a new program per request keeps at most this many (and their token ids)
+MAX_BRANCHES_PER_OWNER = 256
+MAX_BRANCHES = 4096  # ... and in all (without API keys owners are names clients choose)
 
 
 class KVManager:
@@ -76,14 +83,16 @@ class KVManager:
         self.clock: Callable[[], float] = time.monotonic
         self.now_s = 0.0  # read once a step: branches pausing in one step tie, deterministically
         self.trace: list[tuple] | None = [] if config.record_trace else None
-        # paused branches back right away: (program, branch) -> (pause s, tokens still to come)
-        self._in_flight: dict[tuple[str, str | None], tuple[float, int]] = {}
+        # paused branches back right away: (program, branch) -> (pause s, tokens still to come,
+        # owner), at most MAX_BRANCHES_PER_OWNER per owner
+        self._in_flight = _BranchTable()
         self.tiers = tiers if isinstance(self.cache, RadixCache) else None
         if self.tiers is not None:
             self.cache.demote_sink = self.tiers.demote
         # branches that declared when they return: (program, branch) -> (return s, namespace,
-        # ids, their chunk names), prefetched from disk PREFETCH_LEAD_S ahead
-        self._returning: dict[tuple[str, str | None], tuple[float, object, list, list]] = {}
+        # ids, their chunk names), prefetched from disk PREFETCH_LEAD_S ahead; at most
+        # MAX_BRANCHES_PER_OWNER per owner
+        self._returning = _BranchTable()
 
     # ------------------------------------------------------------------ sizes
     def available_slots(self, reserved: int) -> int:
@@ -119,23 +128,28 @@ class KVManager:
 
     def arrived(self, req: Req) -> None:
         """A request reached the queue: its branch's next turn is no longer to come."""
-        if self._in_flight:
-            self._in_flight.pop((req.hints.program_id, req.hints.branch_id), None)
-        if self._returning:
-            self._returning.pop((req.hints.program_id, req.hints.branch_id), None)
+        if self._in_flight or self._returning:
+            key = _branch_key(req)  # the owner's own branch: another tenant's is never touched
+            self._in_flight.pop(key)
+            self._returning.pop(key)
 
-    def in_flight_tokens(self, running: Sequence[Req]) -> int:
-        """About how many tokens the work in flight will still add (GraphHints.future_tokens):
-        branches paused to come back right away (within the grace) and running requests."""
+    def in_flight_tokens(self, running: Sequence[Req]) -> Counter:
+        """Per owner, about how many tokens the work in flight will still add
+        (GraphHints.future_tokens, each at most the pool): branches paused to come back right
+        away (within the grace) and running requests."""
         expired = [
             key
-            for key, (pause_s, _) in self._in_flight.items()
+            for key, (pause_s, _, _) in self._in_flight.items()
             if pause_s < self.now_s - CONTINUATION_GRACE_S
         ]
         for key in expired:
-            del self._in_flight[key]
-        paused = sum(tokens for _, tokens in self._in_flight.values())
-        return paused + sum(map(future_tokens, running))
+            self._in_flight.pop(key)
+        tokens: Counter = Counter()
+        for _, paused, owner in self._in_flight.values():
+            tokens[owner] += paused
+        for req in running:
+            tokens[owner_of(req.namespace)] += future_tokens(req, self.allocator.num_slots)
+        return tokens
 
     def mark_queued_reads(self) -> None:
         """Refresh the waiting requests' queued-read marks (graph eviction's future)."""
@@ -161,7 +175,7 @@ class KVManager:
             budget -= tiers.prefetch(extent, budget)
         for key, (return_s, namespace, ids, names) in list(self._returning.items()):
             if return_s + CONTINUATION_GRACE_S < self.now_s:
-                del self._returning[key]  # it never came back
+                self._returning.pop(key)  # it never came back
             elif return_s - PREFETCH_LEAD_S <= self.now_s and budget > 0:
                 start = self.cache.match_prefix(ids, namespace).prefix_len
                 budget -= tiers.prefetch(
@@ -281,18 +295,33 @@ class KVManager:
         if insert:
             self.cache_prefix(req)
             if req.hints.continuation and req.lock_pos is not None:
-                after_s = req.hints.next_turn_after_s or 0.0
-                self.marks.mark_continuation(req.lock_pos, self.now_s + after_s, not after_s)
-                key = (req.hints.program_id, req.hints.branch_id)
-                if not after_s and self.keeps_wanted and req.hints.program_id is not None:
-                    self._in_flight[key] = (self.now_s, req.hints.future_tokens or 0)
-                if after_s and self.tiers is not None and req.hints.program_id is not None:
-                    ids = req.tokens(0, req.num_locked)
-                    self._returning[key] = (self.now_s + after_s, req.namespace, ids, [])
+                self._paused(req)
         if req.lock_pos is not None:
             self.cache.unlock(req.lock_pos)
         self.free(req.slots[req.num_locked :])
         req.reset_kv()
+
+    def _paused(self, req: Req) -> None:
+        """A continuing branch finished a request: mark its path, and remember it (bounded
+        per owner) as work in flight or as a declared return to prefetch for."""
+        hints = req.hints
+        # a return declared further out than the horizon is "not soon", however far
+        after_s = min(hints.next_turn_after_s or 0.0, MAX_HINT_RETURN_S)
+        self.marks.mark_continuation(req.lock_pos, self.now_s + after_s, not after_s)
+        if hints.program_id is None:
+            return
+        key, owner = _branch_key(req), owner_of(req.namespace)
+        if not after_s and self.keeps_wanted:
+            tokens = future_tokens(req, self.allocator.num_slots)
+            self._in_flight.put(key, owner, (self.now_s, tokens, owner))
+        if after_s and self.tiers is not None:
+            ids = array("i", req.tokens(0, req.num_locked))  # 4 bytes a token, not 36
+            self._returning.put(key, owner, (self.now_s + after_s, req.namespace, ids, []))
+
+    @property
+    def num_remembered_branches(self) -> tuple[int, int]:
+        """(paused right away, declared returns) remembered now (tests, metrics)."""
+        return len(self._in_flight), len(self._returning)
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
@@ -328,9 +357,59 @@ class KVManager:
             self.tiers.check_integrity()
 
 
-def future_tokens(req: Req) -> int:
+def future_tokens(req: Req, pool_slots: int) -> int:
     """What a request's program will still add to its sequence after it, if it is back right
-    away (0 otherwise: a declared return is not work in flight)."""
+    away (0 otherwise: a declared return is not work in flight); a hint of more than the
+    pool holds counts as the pool."""
     hints = req.hints
     right_away = hints.continuation and not hints.next_turn_after_s
-    return (hints.future_tokens or 0) if right_away else 0
+    return min(hints.future_tokens or 0, pool_slots) if right_away else 0
+
+
+def _branch_key(req: Req) -> tuple:
+    """A program branch, qualified by its owner (program ids are the client's to choose)."""
+    return owner_of(req.namespace), req.hints.program_id, req.hints.branch_id
+
+
+class _BranchTable:
+    """A branch key -> an entry, each attributed to an owner, at most MAX_BRANCHES_PER_OWNER
+    per owner and MAX_BRANCHES in all: putting one more drops the owner's (or the table's)
+    oldest."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple[Hashable, tuple]] = {}
+        self._by_owner: dict[Hashable, OrderedDict[tuple, None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def put(self, key: tuple, owner: Hashable, entry: tuple) -> None:
+        self.pop(key)
+        keys = self._by_owner.setdefault(owner, OrderedDict())
+        while len(keys) >= MAX_BRANCHES_PER_OWNER:
+            del self._entries[keys.popitem(last=False)[0]]
+        if len(self._entries) >= MAX_BRANCHES:
+            self.pop(next(iter(self._entries)))  # insertion order: the oldest
+            keys = self._by_owner.setdefault(owner, keys)
+        keys[key] = None
+        self._entries[key] = (owner, entry)
+
+    def pop(self, key: tuple, default: object = None) -> object:
+        found = self._entries.pop(key, None)
+        if found is None:
+            return default
+        owner, entry = found
+        keys = self._by_owner[owner]
+        del keys[key]
+        if not keys:
+            del self._by_owner[owner]
+        return entry
+
+    def items(self) -> list[tuple[tuple, tuple]]:
+        return [(key, entry) for key, (_, entry) in self._entries.items()]
+
+    def values(self) -> list[tuple]:
+        return [entry for _, entry in self._entries.values()]

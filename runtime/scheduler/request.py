@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from runtime.cache.radix import TreePosition
+from runtime.errors import InvalidRequestError
 from runtime.generation import GenerationState
-from runtime.protocol import GraphHints
+from runtime.protocol import MAX_NAMESPACE_CHARS, GraphHints
 
 if TYPE_CHECKING:
     from runtime.scheduler.drafts import SpecState
@@ -53,6 +54,7 @@ class Req:
         on_finish: Callable[[Req], None] | None = None,
         deadline: float | None = None,
     ) -> None:
+        check_namespace(namespace)
         self.rid = rid
         self.deadline = deadline  # time.monotonic() after which the request is aborted
         self.prompt_ids = prompt_ids
@@ -194,3 +196,13 @@ class Req:
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def check_namespace(namespace: str | None) -> None:
+    """Refuse a cache namespace longer than MAX_NAMESPACE_CHARS: each live one keeps its name
+    in the tree (and in the lower tiers' chunk names), so its length is memory."""
+    if isinstance(namespace, str) and len(namespace) > MAX_NAMESPACE_CHARS:
+        raise InvalidRequestError(
+            f"the cache namespace is {len(namespace)} characters (namespace, cache_salt and "
+            f"extra_key joined by '/', after the API key's tag); at most {MAX_NAMESPACE_CHARS}"
+        )

@@ -29,10 +29,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from runtime.cache.radix import RadixCache
+from runtime.cache.radix import RadixCache, owner_of
 from runtime.cache.tiers import KVTiers
 from runtime.cache.token_index import TokenIndex
 from runtime.config import EngineConfig
+from runtime.generation import STOP_REGEX_STEP_BUDGET
 from runtime.model.batch import ForwardBatch
 from runtime.scheduler.drafts import Drafter
 from runtime.scheduler.grammar_gate import GrammarGate
@@ -97,6 +98,7 @@ class Scheduler:
         self.counters: Counter[str] = Counter()
         self._admit_seq = 0
         self._deadlines: list[tuple[float, int, Req]] = []  # heap: soonest first
+        self._checking: dict[str, Req] = {}  # stop_regex matching behind: catching up
         self.grammar = GrammarGate(config.grammar_step_budget_ms, config.grammar_mask_threads)
         self.drafter: Drafter | None = None
         if config.speculative == "tree":
@@ -138,10 +140,14 @@ class Scheduler:
             order = self.policy.order(list(self.waiting.values()))
             self.kv.prefetch((req, self.policy.match(req)) for req in order)
         self.grammar.prepare([r for r in self.running if r.is_decoding])
+        self._catch_up_stops()
         entries = self._schedule_entries()
         if not entries:
-            self.grammar.idle()
+            if not self._checking:
+                self.grammar.idle()
             return None
+        for entry in entries:
+            entry.req.gen.new_step(STOP_REGEX_STEP_BUDGET)  # what its sampling may match
         self.counters["steps"] += 1
         used = self.kv.allocator.num_used_slots
         self.counters["peak_used_slots"] = max(self.counters["peak_used_slots"], used)
@@ -171,7 +177,8 @@ class Scheduler:
             entries = [
                 BatchEntry(r, r.num_tokens - r.num_computed, True, False, True)
                 for r in decoding
-                if self.grammar.can_sample(r)  # else: its grammar mask is not ready
+                # else: stop matching is behind (_catch_up_stops), or its mask is not ready
+                if not r.gen.checking_stops and self.grammar.can_sample(r)
             ]
             num_deferred = len(decoding) - len(entries)
             if self.drafter is not None and len(entries) <= self.config.spec_max_batch:
@@ -203,6 +210,19 @@ class Scheduler:
             return entry
         return replace(entry, draft=tuple(draft))
 
+    def _catch_up_stops(self) -> None:
+        """Requests whose stop_regex matching is behind (it is bounded per step) read on,
+        within the step's budget; they sample again once caught up (generation.py)."""
+        for req in list(self._checking.values()):
+            req.gen.new_step(STOP_REGEX_STEP_BUDGET)
+            req.gen.catch_up()
+            _notify(req.on_delta, req)
+            if req.gen.finished:
+                self.waiting.pop(req.rid, None)  # (retracted meanwhile)
+                self._finish(req, req.gen.finish_reason)
+            elif not req.gen.checking_stops:
+                del self._checking[req.rid]
+
     def _abort_expired(self) -> None:
         """Abort requests past their deadline (timeout_s); with none due, one comparison."""
         now = time.monotonic()
@@ -220,8 +240,8 @@ class Scheduler:
         for req in self.policy.order(list(self.waiting.values())):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            if not self.grammar.can_sample(req, admitting=True):
-                continue  # its first mask is not ready: it would stall the step
+            if req.gen.checking_stops or not self.grammar.can_sample(req, admitting=True):
+                continue  # (retracted) matching its stops, or its first mask is not ready
             self.prompt_logits.offer(req)  # a row kept for its whole prompt: it may match it all
             position = self.policy.match(req)  # reused: admission never matches again
             if self.kv.shares_inflight(req, position.prefix_len, self.running):
@@ -279,7 +299,7 @@ class Scheduler:
         reads = req.match_pos.prefix_len
         new_work = req.num_tokens - reads > reads
         # room for the work in flight to finish, this request's own later turns included
-        room = need + (flight.future_tokens() + future_tokens(req) if new_work else 0)
+        room = need + (flight.future_tokens(req) if new_work else 0)
         if room <= self.kv.allocator.num_free_slots - reserved:
             return False
         unwanted = flight.unwanted_slots(reserved)
@@ -391,8 +411,10 @@ class Scheduler:
         _notify(req.on_delta, req)
         if req.gen.finished:
             self._finish(req, req.gen.finish_reason)
-        else:
-            self.grammar.start(req)  # its next mask, filled while this step ends
+            return
+        if req.gen.checking_stops:
+            self._checking[req.rid] = req
+        self.grammar.start(req)  # its next mask, filled while this step ends
 
     def _complete(self, req: Req) -> None:
         """A prefill-only request or pin whose tokens are all computed (or were cached)."""
@@ -409,6 +431,7 @@ class Scheduler:
     def _finish(self, req: Req, reason: str) -> None:
         if req in self.running:
             self.running.remove(req)
+        self._checking.pop(req.rid, None)
         self.kv.release(req, insert=reason != "error")
         self.grammar.ended(req)
         req.gen.finish(reason)
@@ -476,22 +499,40 @@ class Scheduler:
 
 class _InFlight:
     """One admission pass's view of the work in flight (graph eviction), taken on first need:
-    the tokens paused and running programs will still add, and fresh queued-read marks."""
+    per owner, the tokens paused and running programs will still add and the tokens running
+    requests hold; and fresh queued-read marks."""
 
     def __init__(self, kv: KVManager, running: list[Req]) -> None:
         self.kv = kv
         self.running = running
-        self._future_tokens: int | None = None
+        self._hinted: Counter | None = None
+        self._held: Counter = Counter()
         self._marked = False
 
-    def future_tokens(self) -> int:
-        if self._future_tokens is None:
-            self._future_tokens = self.kv.in_flight_tokens(self.running)
-        return self._future_tokens
+    def future_tokens(self, req: Req) -> int:
+        """The room `req` leaves for work in flight, its own later turns included. A hint is
+        advice, never a reservation: each owner's hints count up to its share of the pool
+        (the pool split evenly among the owners with work in flight and `req`'s) less what
+        its running requests hold, so no owner's hints hold another's requests beyond it."""
+        if self._hinted is None:
+            self._hinted = self.kv.in_flight_tokens(self.running)
+            for running in self.running:
+                self._held[owner_of(running.namespace)] += running.num_tokens
+        mine = owner_of(req.namespace)
+        own = future_tokens(req, self.kv.allocator.num_slots)
+        owners = {*self._hinted, *self._held, mine}
+        share = self.kv.allocator.num_slots // len(owners)
+        total = 0
+        for owner in owners:
+            hinted = self._hinted.get(owner, 0) + (own if owner == mine else 0)
+            total += min(hinted, max(0, share - self._held.get(owner, 0)))
+        return total
 
     def admitted(self, req: Req) -> None:
-        if self._future_tokens is not None:
-            self._future_tokens += future_tokens(req)
+        if self._hinted is not None:
+            owner = owner_of(req.namespace)
+            self._hinted[owner] += future_tokens(req, self.kv.allocator.num_slots)
+            self._held[owner] += req.num_tokens
 
     def unwanted_slots(self, reserved: int) -> int:
         if not self._marked:

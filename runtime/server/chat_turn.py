@@ -9,7 +9,10 @@ reasoning.py, tool_prompt.py); the engine says which its model uses (Engine.tool
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +34,10 @@ from runtime.intake import check_unicode
 from runtime.protocol import Constraint, GenerateResult, ToolCall, ToolSpec
 from runtime.server.schemas import ChatBody
 
-# template variables a request may not set through chat_template_kwargs
+# what chat_template_kwargs may not set: the variables the server sets itself, and every
+# argument of apply_chat_template (and of the renderer under it) that is no template variable:
+# a template of the request's own, padding or truncation of the ids, tensors, tokenizer options
+# (vLLM's GHSA-6fvq-23cw-5628). Extended at run time by the tokenizer's own signature.
 _RESERVED_TEMPLATE_VARIABLES = frozenset(
     {
         "messages",
@@ -41,9 +47,19 @@ _RESERVED_TEMPLATE_VARIABLES = frozenset(
         "continue_final_message",
         "tokenize",
         "return_dict",
+        "chat_template",
+        "conversation",
+        "conversations",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "sanitize_control_tokens",
     }
 )
-_PROMPT_TAIL_TOKENS = 32  # enough of the prompt's end to see an opened reasoning block
+MAX_TEMPLATE_KWARGS_CHARS = 65_536  # chat_template_kwargs as JSON: variables, not documents
 
 
 @dataclass(frozen=True)
@@ -55,7 +71,7 @@ class ChatPlan:
     tools: list[ToolSpec] = field(default_factory=list)  # whose calls are parsed (may be none)
     tool_format: ToolFormat | None = None  # None: no calls are parsed
     reasoning: ReasoningFormat | None = None  # None: the output is not split
-    in_reasoning: bool = False  # the prompt opened the reasoning block itself
+    in_reasoning: bool = False  # the template's generation prompt opened the reasoning block
     keep_special_tokens: bool = False  # the call marker is a special token (Mistral's)
 
 
@@ -66,31 +82,18 @@ def plan_chat(engine: Any, body: ChatBody) -> ChatPlan:
     check_unicode(json.dumps(messages, ensure_ascii=False))
     tools, choice = body.tool_specs(), body.choice()
     fmt = tool_format(engine.tool_format)
-    kwargs = dict(body.chat_template_kwargs or {})
-    reserved = sorted(_RESERVED_TEMPLATE_VARIABLES & set(kwargs))
-    if reserved:
-        raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}")
+    kwargs = template_kwargs(tokenizer, body.chat_template_kwargs)
     if template_supports_tools(tokenizer.chat_template):
         rendered, tools_arg = template_messages(messages), openai_tools(tools) or None
     else:
         rendered, tools_arg = fallback_messages(messages, tools, fmt), None
-    try:
-        ids = tokenizer.apply_chat_template(
-            rendered,
-            tools=tools_arg,
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            tokenize=True,
-            return_dict=True,
-            **kwargs,
-        )["input_ids"]
-    except Exception as err:  # noqa: BLE001 - jinja raises many kinds; all are bad input
-        raise InvalidRequestError(f"the chat template rejects these messages: {err}") from err
-    ids = list(ids)
+    render = functools.partial(_render, tokenizer, rendered, tools_arg, kwargs)
+    text = render(body.add_generation_prompt, body.continue_final_message)
+    ids = _tokens(tokenizer, text)
     thinks = engine.reasoning_format
     reasoning = reasoning_format(thinks) if thinks is not None else None
     in_reasoning = reasoning is not None and reasoning.in_reasoning(
-        tokenizer.decode(ids[-_PROMPT_TAIL_TOKENS:])
+        _answer_prefix(render, text, body, messages)
     )
     budget = body.max_reasoning_tokens
     if budget is not None and reasoning is None:
@@ -120,6 +123,110 @@ def plan_chat(engine: Any, body: ChatBody) -> ChatPlan:
         in_reasoning=in_reasoning,
         keep_special_tokens=calls_wanted and _is_special_token(tokenizer, fmt.trigger),
     )
+
+
+def template_kwargs(tokenizer: Any, requested: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's chat_template_kwargs, checked: only the template's own variables pass (a
+    400 names any key that is an argument of the template call or of the tokenizer), and the
+    whole is at most MAX_TEMPLATE_KWARGS_CHARS as JSON."""
+    kwargs = dict(requested or {})
+    refused = sorted(set(kwargs) & _refused_keys(type(tokenizer)))
+    if refused:
+        raise InvalidRequestError(
+            f"chat_template_kwargs may not set {refused}: it passes the chat template's own "
+            "variables only (these are arguments of the template call or of the tokenizer)"
+        )
+    try:
+        text = json.dumps(kwargs, ensure_ascii=False)
+    except (ValueError, RecursionError) as err:
+        raise InvalidRequestError(f"chat_template_kwargs cannot be read: {err}") from err
+    if len(text) > MAX_TEMPLATE_KWARGS_CHARS:
+        raise InvalidRequestError(
+            f"chat_template_kwargs is {len(text)} characters as JSON; the limit is "
+            f"{MAX_TEMPLATE_KWARGS_CHARS} (MAX_TEMPLATE_KWARGS_CHARS: template variables, "
+            "not documents)"
+        )
+    check_unicode(text)
+    return kwargs
+
+
+@functools.cache
+def _refused_keys(tokenizer_class: type) -> frozenset[str]:
+    """_RESERVED_TEMPLATE_VARIABLES and every named parameter of this tokenizer's
+    apply_chat_template (whatever its transformers version adds)."""
+    method = getattr(tokenizer_class, "apply_chat_template", None)
+    try:
+        parameters = inspect.signature(method).parameters.values() if method else ()
+    except (TypeError, ValueError):  # no signature to read: the fixed list alone
+        parameters = ()
+    named = {
+        p.name
+        for p in parameters
+        if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    }
+    return _RESERVED_TEMPLATE_VARIABLES | named
+
+
+def _render(
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list[dict] | None,
+    kwargs: dict[str, Any],
+    generation_prompt: bool,
+    continue_final: bool,
+) -> str:
+    """The chat template's text for these messages; a template that fails is a 400."""
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            add_generation_prompt=generation_prompt,
+            continue_final_message=continue_final,
+            tokenize=False,
+            **kwargs,
+        )
+    except Exception as err:  # noqa: BLE001 - jinja raises many kinds; all are bad input
+        raise InvalidRequestError(f"the chat template rejects these messages: {err}") from err
+
+
+def _tokens(tokenizer: Any, text: str) -> list[int]:
+    """The prompt's ids, as apply_chat_template tokenizes its text (no special tokens added:
+    the template wrote them)."""
+    try:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    except Exception as err:  # noqa: BLE001 - the tokenizer refuses text it cannot encode
+        raise InvalidRequestError(f"the chat template's text cannot be tokenized: {err}") from err
+
+
+def _answer_prefix(
+    render: Callable[[bool, bool], str], text: str, body: ChatBody, messages: list[dict]
+) -> str:
+    """The text right before the answer that no user wrote, where an opened reasoning block
+    is looked for: the template's generation prompt (the prompt past what the same messages
+    render to without it), or a final assistant message being continued. Never the messages'
+    own text: a user who writes `<think>` opens nothing."""
+    if body.continue_final_message:
+        last = messages[-1]
+        content = last.get("content")
+        return content if last.get("role") == "assistant" and isinstance(content, str) else ""
+    if not body.add_generation_prompt:
+        return ""
+    return text[_common_prefix(render(False, False), text) :]
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common start of a and b (string compares in C: a
+    prompt can be megabytes)."""
+    if b.startswith(a):
+        return len(a)
+    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; a[:high + 1] differ or end
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def _is_special_token(tokenizer: Any, text: str) -> bool:

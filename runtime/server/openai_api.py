@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -27,7 +28,8 @@ from runtime.server.fields import AuditedFields
 from runtime.server.schemas import ChatBody, CompletionBody
 from runtime.server.sglang_ops import model_path
 from runtime.server.state import Server, ServerDep
-from runtime.server.streaming import sse
+from runtime.server.streaming import interleave, sse
+from runtime.server.tenant_pool import TEXT_WORK
 
 router = APIRouter(prefix="/v1")
 log = logging.getLogger("flowlang.server")
@@ -137,7 +139,9 @@ async def chat(body: ChatBody, request: Request, server: ServerDep):
     if unknown is not None:
         return unknown
     _log_ignored("/v1/chat/completions", body, body.messages)
-    plan = await asyncio.to_thread(plan_chat, server.engine, body)  # templates can be slow
+    # templates can be slow: on the few threads for request texts, a bounded share per key
+    limit = server.settings.max_requests_per_key
+    plan = await TEXT_WORK.run(server.tenant(request), limit, plan_chat, server.engine, body)
     top = body.top_logprobs or 0
     max_tokens = body.max_completion_tokens or body.max_tokens or _room_after(server, plan)
     namespace = server.namespace(request, body.cache_namespace())
@@ -319,8 +323,7 @@ async def _completion_stream(
         choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": lps}
         return frame([choice])
 
-    results = []
-    for index, handle in enumerate(handles):
+    async def choice(index: int, handle: RequestHandle) -> AsyncGenerator[str, None]:
         if echoes[index]:
             yield chunk(index, echoes[index], None)
         offset = 0
@@ -332,11 +335,15 @@ async def _completion_stream(
         result = await handle.aresult()
         failure = failure_of(result)
         if failure is not None:  # an error frame, never a finish_reason that says it ended well
-            yield error_frame(failure)
-            return
-        results.append(result)
+            raise _ChoiceFailed(error_frame(failure))
+        results[index] = result
         yield chunk(index, "", finish_reason(result))
-    if body.include_usage:
+
+    results: list[GenerateResult | None] = [None] * len(handles)
+    async with contextlib.aclosing(_choices_interleaved(choice, handles)) as frames:
+        async for out in frames:
+            yield out
+    if body.include_usage and all(r is not None for r in results):
         yield frame([], usage=_usage(results, body.n))
 
 
@@ -359,8 +366,7 @@ async def _chat_stream(
         choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         return frame([choice])
 
-    results = []
-    for index, handle in enumerate(handles):
+    async def choice(index: int, handle: RequestHandle) -> AsyncGenerator[str, None]:
         deltas = ChatDeltas(plan)
         yield chunk(index, {"role": "assistant", "content": ""}, None)
         pending: list[TokenLogprob] = []  # logprobs not yet sent: they go with the next delta
@@ -372,12 +378,39 @@ async def _chat_stream(
         result = await handle.aresult()
         failure = failure_of(result)
         if failure is not None:
-            yield error_frame(failure)
-            return
+            raise _ChoiceFailed(error_frame(failure))
         for delta in deltas.finish():
             yield chunk(index, delta, None, pending)
             pending = []
-        results.append(result)
+        results[index] = result
         yield chunk(index, {}, finish_reason(result, deltas.num_calls > 0), pending)
-    if body.include_usage:
+
+    results: list[GenerateResult | None] = [None] * len(handles)
+    async with contextlib.aclosing(_choices_interleaved(choice, handles)) as frames:
+        async for out in frames:
+            yield out
+    if body.include_usage and all(r is not None for r in results):
         yield frame([], usage=_usage(results, body.n))
+
+
+class _ChoiceFailed(Exception):
+    """A streamed choice failed: `frame` says so, and the stream ends after it."""
+
+    def __init__(self, frame: str) -> None:
+        super().__init__(frame)
+        self.frame = frame
+
+
+async def _choices_interleaved(
+    choice: Callable[[int, RequestHandle], AsyncGenerator[str, None]],
+    handles: list[RequestHandle],
+) -> AsyncGenerator[str, None]:
+    """Each choice's frames as they come, the n choices interleaved as their tokens are
+    produced; a failed choice's error frame ends the stream (the others are aborted)."""
+    streams = [choice(index, handle) for index, handle in enumerate(handles)]
+    async with contextlib.aclosing(interleave(streams)) as frames:
+        try:
+            async for out in frames:
+                yield out
+        except _ChoiceFailed as failed:
+            yield failed.frame

@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from runtime.constrain.check import MAX_NESTING_DEPTH
+from runtime.constrain.tool_prompt import arguments_nest_too_deep
 from runtime.errors import InvalidRequestError
 from runtime.protocol import TOOL_NAME_PATTERN, Constraint, SamplingParams, ToolSpec
 from runtime.server.errors import invalid_input
@@ -326,6 +328,12 @@ class ChatMessage(_OpenAIFields):
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls:
+            for call in self.tool_calls:
+                if arguments_nest_too_deep(call.function.arguments):
+                    raise InvalidRequestError(
+                        f"the arguments of an earlier call to {call.function.name!r} nest "
+                        f"deeper than {MAX_NESTING_DEPTH} levels of objects and lists"
+                    )
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id

@@ -39,8 +39,9 @@ async def generate(body: GenerateBody, request: Request, server: ServerDep):
     """Generate for one prompt or a batch, n samples each; `stream` sends the running output."""
     _log_fields(body)
     prompts = body.prompts()
-    requests = [_request(server, request, body, p) for p in prompts]
-    output = _Output(server.engine, body)
+    ids = await _prompt_ids(server.engine, body, prompts)
+    requests = [_request(server, request, body, p, ids.get(p.prompt_index)) for p in prompts]
+    output = _Output(server.engine, body, ids)
     handles = await server.submit(requests, server.tenant(request))
     if body.stream:
         return sse(server.engine, handles, _stream(output, handles, prompts))
@@ -58,12 +59,32 @@ def _log_fields(body: GenerateBody) -> None:
         log.warning("/generate fields with no effect here: %s", unhonoured, extra=extra)
 
 
-def _request(server: Server, request: Request, body: GenerateBody, p: Prompt) -> GenerateRequest:
-    """The engine request for one prompt (one of its n samples)."""
-    engine, prompt = server.engine, p.prompt
+async def _prompt_ids(engine: Engine, body: GenerateBody, prompts: list[Prompt]) -> dict:
+    """The token ids of the prompts whose length or ids the answer needs (a default
+    max_new_tokens, return_prompt_token_ids), by prompt index: tokenized in a worker thread,
+    as the engine's submit tokenizes the others, so a huge text never holds the event loop."""
+    wanted = {
+        p.prompt_index: p.prompt
+        for p in prompts
+        if p.sampling.max_new_tokens is None or body.return_prompt_token_ids
+    }
+    if not wanted:
+        return {}
+
+    def tokenize() -> dict[int, list[int]]:
+        return {i: engine.intake.tokens(prompt, special=True) for i, prompt in wanted.items()}
+
+    return await asyncio.to_thread(tokenize)
+
+
+def _request(
+    server: Server, request: Request, body: GenerateBody, p: Prompt, ids: list[int] | None
+) -> GenerateRequest:
+    """The engine request for one prompt (one of its n samples); `ids`: the prompt's tokens
+    where they were needed here (else the engine tokenizes it)."""
+    engine, prompt = server.engine, p.prompt if ids is None else ids
     max_new_tokens = p.sampling.max_new_tokens
-    if max_new_tokens is None:  # SGLang: as many as fit after the prompt
-        prompt = engine.intake.tokens(prompt, special=True)
+    if max_new_tokens is None:  # SGLang: as many as fit after the prompt (ids: tokenized)
         room = min(engine.arch.max_context_len, engine.intake.num_slots)
         max_new_tokens = max(0, room - len(prompt))
     wants_prompt = p.return_logprob and (p.logprob_start_len >= 0 or max_new_tokens == 0)
@@ -157,12 +178,13 @@ class _Running:
 class _Output:
     """Outputs in SGLang's shape (text, output_ids, meta_info) for one /generate call."""
 
-    def __init__(self, engine: Engine, body: GenerateBody) -> None:
+    def __init__(self, engine: Engine, body: GenerateBody, prompt_ids: dict) -> None:
         self.engine = engine
         self.body = body
         self.started = time.monotonic()
         self._texts: dict[int, str] = {}  # token texts for logprobs, decoded once per call
-        self._prompt_ids: dict[int, list[int]] = {}  # by prompt index, tokenized once per call
+        # by prompt index, tokenized off the loop (every prompt's when the answer has them)
+        self._prompt_ids: dict[int, list[int]] = prompt_ids
 
     def __call__(self, result: GenerateResult, p: Prompt, logprobs_from: int = 0) -> dict:
         """One request's output, finished or (streaming) so far; the output logprob lists
@@ -185,9 +207,6 @@ class _Output:
             meta.update(self._logprobs(result, p, logprobs_from))
         out = {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
         if self.body.return_prompt_token_ids:
-            if p.prompt_index not in self._prompt_ids:
-                ids = self.engine.intake.tokens(p.prompt, special=True)
-                self._prompt_ids[p.prompt_index] = ids
             out["prompt_token_ids"] = self._prompt_ids[p.prompt_index]
         return out
 

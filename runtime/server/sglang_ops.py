@@ -21,10 +21,12 @@ from runtime.model.registry import MODELS
 from runtime.protocol import GenerateRequest, SamplingParams, ToolSpec
 from runtime.server.sglang_schemas import SGLangFields, ignored_field
 from runtime.server.state import ServerDep
+from runtime.server.tenant_pool import TEXT_WORK
 
 router = APIRouter()
 
 HEALTH_TIMEOUT_S = 20.0  # SGLang's default health-check wait
+MAX_PARSE_TEXT_CHARS = 1 << 19  # /parse_function_call: a 128k-token output, ~4 characters each
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -220,12 +222,18 @@ class SeparateReasoningBody(SGLangFields):
 
 
 @router.post("/parse_function_call")
-async def parse_function_call(body: ParseFunctionCallBody, server: ServerDep):
+async def parse_function_call(body: ParseFunctionCallBody, request: Request, server: ServerDep):
     """Tool calls read out of a text, as SGLang's route answers (`normal_text`, `calls` with
     `tool_index`, `name` and `parameters` as a JSON string); the parser defaults to the
-    model's tool format (SGLang tries every parser instead)."""
+    model's tool format (SGLang tries every parser instead). The text is at most
+    MAX_PARSE_TEXT_CHARS, parsed on the threads for request texts (never the event loop)."""
     from runtime.constrain.tool_calls import UnknownToolFormat, tool_format
 
+    if len(body.text) > MAX_PARSE_TEXT_CHARS:
+        raise InvalidRequestError(
+            f"text: {len(body.text)} characters; /parse_function_call takes at most "
+            f"{MAX_PARSE_TEXT_CHARS} (MAX_PARSE_TEXT_CHARS)"
+        )
     try:
         fmt = tool_format(body.tool_call_parser or server.engine.tool_format)
         tools = [
@@ -238,7 +246,8 @@ async def parse_function_call(body: ParseFunctionCallBody, server: ServerDep):
         ]
     except (UnknownToolFormat, ValidationError) as err:
         raise InvalidRequestError(str(err)) from err
-    parsed = fmt.parse(body.text, tools)
+    limit = server.settings.max_requests_per_key
+    parsed = await TEXT_WORK.run(server.tenant(request), limit, fmt.parse, body.text, tools)
     index = {t.name: i for i, t in enumerate(tools)}
     calls = [
         {"tool_index": index[c.name], "name": c.name, "parameters": c.arguments}

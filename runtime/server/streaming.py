@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
 from fastapi import Request
@@ -76,6 +76,39 @@ def sse(
             abort_unfinished(engine, handles)
 
     return _EventStream(frames)
+
+
+async def interleave(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[T, None]:
+    """The items of all `streams` as each comes, whichever it comes from (a request's n
+    choices side by side, as clients that render them together expect); ends when they all
+    have, raises what one raises. Closing it stops them all."""
+    queue: asyncio.Queue[tuple[bool, object]] = asyncio.Queue()  # (an item?, it | the end)
+
+    async def pump(stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((True, item))
+                await asyncio.sleep(0)  # the others' items in between: buffered ones alternate
+        except Exception as err:  # noqa: BLE001 - raised again where the items are read
+            queue.put_nowait((False, err))
+            return
+        queue.put_nowait((False, None))
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        num_open = len(tasks)
+        while num_open:
+            is_item, item = await queue.get()
+            if is_item:
+                yield item
+            elif item is None:
+                num_open -= 1
+            else:
+                raise item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def wait_results(

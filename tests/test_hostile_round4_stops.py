@@ -1,0 +1,235 @@
+"""Hostile testing, fourth round (issue 50): stop_regex over jump-forward text is bounded per
+engine step (#3), and a streamed n > 1 answer interleaves its choices.
+
+#3: a grammar forces thousands of characters in one step and a stop_regex such as
+`.{0,1020}Q` costs ~2,500 automaton steps a character: the engine's thread spent seconds in
+one step while every other tenant waited. Matching now takes a bounded number of automaton
+steps per request and step; the request samples nothing until it caught up, so what it
+returns is what unbounded matching returns.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_stop_regex import PATTERNS as BASE_PATTERNS
+
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.generation import GenerationState
+from runtime.protocol import Constraint, GenerateRequest, SamplingParams
+from runtime.stop_regex import StopRegexMatcher
+
+HEAVY = r".{0,1020}Q"  # ~2,000 automaton states: each character advances ~1,000 threads
+PATTERNS = [*BASE_PATTERNS, r".{0,12}Q", r"(?:.|\n){2,9}d\b"]  # and bounded repeats
+ALPHABET = "aabbcdxyQE1.-\n end"
+
+
+def leftmost_non_empty(pattern: str, text: str) -> tuple[int, int] | None:
+    """re's first non-empty match in `text` (as searching again after an empty one finds)."""
+    pos = 0
+    while pos <= len(text) and (match := re.compile(pattern).search(text, pos)):
+        if match.end() > match.start():
+            return match.span()
+        pos = match.start() + 1
+    return None
+
+
+# ---------------------------------------------------------------- the matcher, piece by piece
+@given(
+    pattern=st.sampled_from(PATTERNS),
+    text=st.text(alphabet=ALPHABET, max_size=24),
+    cuts=st.lists(st.integers(1, 24), max_size=6),
+    budgets=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+)
+@settings(max_examples=300, deadline=None)
+def test_a_piece_read_within_budgets_finds_what_re_finds(pattern, text, cuts, budgets):
+    """Pieces read a few steps at a time find re's leftmost non-empty match of the text up to
+    the piece where it appears (what one unbounded feed finds), and no call goes past its
+    budget by more than one character's steps and the end's."""
+    matcher, whole, fed, found, calls = (
+        StopRegexMatcher(pattern),
+        StopRegexMatcher(pattern),
+        0,
+        None,
+        0,
+    )
+    bound = 3 * len(matcher.prog) + 1
+    for end in sorted({*(c for c in cuts if c < len(text)), len(text)}):
+        matcher.begin(text[fed:end])
+        while True:
+            budget = budgets[calls % len(budgets)]
+            before = matcher.num_steps
+            done = matcher.advance(budget)
+            assert matcher.num_steps - before <= budget + bound
+            calls += 1
+            if done:
+                break
+            assert calls < 100_000  # every call with a budget reads a character at least
+            budgets = [b or 1 for b in budgets] if calls % len(budgets) == 0 else budgets
+        found = matcher.found
+        assert found == whole.feed(text[fed:end])
+        assert matcher.search_from == whole.search_from
+        fed = end
+        if found is not None:
+            break
+    assert found == leftmost_non_empty(pattern, text[:fed])
+
+
+# ---------------------------------------------------------------- GenerationState, step by step
+def run(tokenizer, ids, params, budget, per_step):
+    """Tokens appended `per_step` at a time (a sampled one and those a grammar forces after
+    it), as the engine does: with a `budget` each step (None: unbounded), a request whose
+    stop matching is behind only catches up. The state, what streamed, the most automaton
+    steps in one step, and the number of steps."""
+    gen = GenerationState(
+        SamplingParams(max_new_tokens=10_000, **params), [1], tokenizer, [2], 49152
+    )
+    streamed, most, steps, i = "", 0, 0, 0
+    while not gen.finished:
+        steps += 1
+        before = gen._regex_stops.num_steps
+        if budget is not None:
+            gen.new_step(budget)
+        if gen.checking_stops:
+            gen.catch_up()
+        elif i < len(ids):
+            for token_id in ids[i : i + per_step]:
+                gen.append(token_id)
+                if gen.finished:
+                    break
+            i += per_step
+        else:
+            gen.finish("length")
+        most = max(most, gen._regex_stops.num_steps - before)
+        streamed += gen.stream_delta()
+    return gen, streamed + gen.stream_delta(), most, steps
+
+
+@given(
+    patterns=st.lists(st.sampled_from(PATTERNS), min_size=1, max_size=3),
+    text=st.text(alphabet=ALPHABET, min_size=1, max_size=40),
+    per_step=st.integers(1, 12),
+    budget=st.integers(1, 60),
+    stop=st.sampled_from([[], ["d "], ["Qa", "1."]]),
+    min_new_tokens=st.integers(0, 3),
+)
+@settings(max_examples=200, deadline=None)
+def test_bounded_matching_returns_what_unbounded_matching_returns(
+    default_tokenizer, patterns, text, per_step, budget, stop, min_new_tokens
+):
+    ids = default_tokenizer.encode(text, add_special_tokens=False)
+    params = dict(stop_regex=patterns, stop=stop, min_new_tokens=min_new_tokens)
+    free, free_streamed, _, _ = run(default_tokenizer, ids, params, None, per_step)
+    gen, streamed, most, _ = run(default_tokenizer, ids, params, budget, per_step)
+    assert (gen.text, gen.finish_reason, gen.matched_stop) == (
+        free.text,
+        free.finish_reason,
+        free.matched_stop,
+    )
+    assert gen.output_ids == free.output_ids and streamed == free_streamed == gen.text
+    num_states = sum(len(m.prog) for m in gen._regex_stops.matchers)
+    assert most <= budget + 3 * num_states + 1
+
+
+def test_a_long_forced_text_is_matched_a_bounded_amount_a_step(default_tokenizer):
+    forced = "x" * 1100 + "Q" + "y b" * 50
+    ids = default_tokenizer.encode(forced, add_special_tokens=False)
+    params = dict(stop_regex=[HEAVY])
+    free, _, unbounded_most, _ = run(default_tokenizer, ids, params, None, len(ids))
+    gen, streamed, most, steps = run(default_tokenizer, ids, params, 8192, len(ids))
+    assert gen.text == free.text == streamed == forced[: re.search(HEAVY, forced).start()]
+    assert gen.output_ids == free.output_ids and gen.matched_stop == HEAVY
+    assert unbounded_most > 1_000_000  # what the engine's thread did in one step before
+    assert most <= 8192 + 3 * 2048 + 1 and steps > 100
+
+
+# ---------------------------------------------------------------- through the engine
+def test_jump_forward_text_never_holds_the_engine_thread(tiny_model_dir, monkeypatch):
+    """Two requests whose grammar forces 1,200 characters, with the heavy stop_regex: no
+    engine step does more than a bounded amount of matching (before: millions of automaton
+    steps, seconds, in one step), and they stop where re finds the match."""
+    matchers: list[StopRegexMatcher] = []
+    init = StopRegexMatcher.__init__
+
+    def registered(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        matchers.append(self)
+
+    monkeypatch.setattr(StopRegexMatcher, "__init__", registered)
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=8192))
+    per_step: list[int] = []
+    step = engine._loop._step
+
+    def counted():
+        before = sum(m.num_steps for m in matchers)
+        try:
+            return step()
+        finally:
+            per_step.append(sum(m.num_steps for m in matchers) - before)
+
+    engine._loop._step = counted
+    forced = "x" * 1100 + "Q" + "y b" * 30
+    requests = [
+        GenerateRequest(
+            text="Say",
+            sampling=SamplingParams(max_new_tokens=2000, temperature=1, seed=i, stop_regex=[HEAVY]),
+            constraint=Constraint(grammar=f'root ::= "{forced}" [a-z]'),
+        )
+        for i in range(2)
+    ]
+    try:
+        results = engine.generate(requests)
+    finally:
+        engine.close()
+    expected = forced[: re.search(HEAVY, forced).start()]
+    assert all(r.text == expected and r.finish_reason == "stop" for r in results), results
+    assert sum(per_step) > 2 * 1_000_000  # the matching all happened, step by step
+    assert max(per_step) <= 2 * 2 * (8192 + 3 * 2048 + 1), max(per_step)
+
+
+# ---------------------------------------------------------------- n > 1 streams interleave
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    from conftest import ServerThread
+
+    thread = ServerThread(Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=4096)))
+    yield thread
+    thread.stop()
+
+
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("/v1/completions", {"prompt": "Once upon a time"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a story"}]}),
+    ],
+)
+def test_a_streamed_n_2_answer_interleaves_its_choices(server, route, body):
+    body = {
+        **body,
+        "model": server.engine.config.model,
+        "n": 2,
+        "max_tokens": 24,
+        "temperature": 1,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        response = client.post(route, json=body)
+    assert response.status_code == 200, response.text
+    frames = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    chunks = [json.loads(f) for f in frames[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 48
+    order = [c["choices"][0]["index"] for c in chunks[:-1]]
+    finished = [c["choices"][0]["index"] for c in chunks[:-1] if c["choices"][0]["finish_reason"]]
+    assert sorted(finished) == [0, 1] and order.count(0) > 3 and order.count(1) > 3
+    # side by side: choice 1 begins long before choice 0 ends (before: 0 0 0 ... 1 1 1)
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0) - 3, order
