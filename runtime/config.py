@@ -76,8 +76,9 @@ class EngineConfig(BaseModel):
     admission_patience: int = Field(
         256,
         ge=0,
-        description="graph eviction: how many later requests may be admitted past a waiting "
-        "request held back so that its admission does not evict KV other requests read soon",
+        description="how many later requests may be admitted past a waiting request: one "
+        "held back so that its admission does not evict KV other requests read soon (graph "
+        "eviction), or one that does not fit yet, by other owners' requests that do",
     )
     attention_backend: str = "auto"
     disable_cuda_graph: bool = Field(

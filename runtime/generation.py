@@ -14,9 +14,18 @@ from runtime.model.sampler import SamplerState
 from runtime.protocol import SamplingParams
 from runtime.stop_regex import MAX_PROGRAM_LEN, StopRegexMatcher
 
-# automaton steps of stop_regex matching per request and engine step (~2 ms in CPython): a
-# pattern of 2,048 states reads ~3 characters a step, a plain one hundreds
+# automaton steps of stop_regex matching per engine step, all requests together (~10 ms in
+# CPython): a pattern of 2,048 states reads ~3 characters a step, a plain one hundreds
 STOP_REGEX_STEP_BUDGET = 8192
+
+
+class StopBudget:
+    """Automaton steps of stop_regex matching left in one engine step. The scheduler shares
+    one among every request (n=4 copies of a heavy request cost one budget a step, not four)."""
+
+    def __init__(self, steps: float = STOP_REGEX_STEP_BUDGET) -> None:
+        self.left = steps
+
 
 StopHit = tuple[int, int, str | int]  # (start, end, the stop) in the text
 
@@ -87,11 +96,13 @@ class GenerationState:
         amount a step): the request must not sample until catch_up() ended this."""
         return self._waiting is not None or bool(self._held)
 
-    def new_step(self, budget: int = STOP_REGEX_STEP_BUDGET) -> None:
+    def new_step(self, budget: StopBudget | int = STOP_REGEX_STEP_BUDGET) -> None:
         """Let stop_regex matching take at most `budget` automaton steps (one character's
-        more at most) until the next new_step; unbounded before the first."""
+        more at most) until the next new_step; unbounded before the first. A StopBudget may be
+        shared with other requests: what one spends, the others no longer have."""
         if self._regex_stops is not None:
-            self._regex_stops.budget = budget
+            shared = isinstance(budget, StopBudget)
+            self._regex_stops.budget = budget if shared else StopBudget(budget)
 
     def catch_up(self) -> None:
         """Read on where stop_regex matching is behind (within the step's budget) and apply
@@ -249,7 +260,7 @@ class _RegexStops:
     """
 
     def __init__(self, patterns: list[str]) -> None:
-        self.budget: float = math.inf  # automaton steps left in this engine step
+        self.budget = StopBudget(math.inf)  # automaton steps left in this engine step
         self.matchers: list[StopRegexMatcher] = []
         budget = MAX_PROGRAM_LEN  # all of a request's patterns together
         for pattern in patterns:
@@ -281,8 +292,8 @@ class _RegexStops:
         """Read on within the budget; True once every pattern read the piece."""
         for matcher in self.matchers:
             before = matcher.num_steps
-            done = matcher.advance(self.budget)
-            self.budget -= matcher.num_steps - before
+            done = matcher.advance(self.budget.left)
+            self.budget.left -= matcher.num_steps - before
             if not done:
                 return False
         return True

@@ -150,10 +150,8 @@ def test_a_long_forced_text_is_matched_a_bounded_amount_a_step(default_tokenizer
 
 
 # ---------------------------------------------------------------- through the engine
-def test_jump_forward_text_never_holds_the_engine_thread(tiny_model_dir, monkeypatch):
-    """Two requests whose grammar forces 1,200 characters, with the heavy stop_regex: no
-    engine step does more than a bounded amount of matching (before: millions of automaton
-    steps, seconds, in one step), and they stop where re finds the match."""
+def matching_per_step(engine, monkeypatch) -> list[int]:
+    """Automaton steps of every stop_regex matcher in each engine step (filled as it runs)."""
     matchers: list[StopRegexMatcher] = []
     init = StopRegexMatcher.__init__
 
@@ -162,7 +160,6 @@ def test_jump_forward_text_never_holds_the_engine_thread(tiny_model_dir, monkeyp
         matchers.append(self)
 
     monkeypatch.setattr(StopRegexMatcher, "__init__", registered)
-    engine = Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=8192))
     per_step: list[int] = []
     step = engine._loop._step
 
@@ -174,6 +171,41 @@ def test_jump_forward_text_never_holds_the_engine_thread(tiny_model_dir, monkeyp
             per_step.append(sum(m.num_steps for m in matchers) - before)
 
     engine._loop._step = counted
+    return per_step
+
+
+def test_n_copies_of_a_heavy_request_share_one_budget_a_step(tiny_model_dir, monkeypatch):
+    """n=4 requests forcing 2,000 characters past the heavy stop_regex (the benchmark's
+    attack): one engine step's matching, all requests together, is one budget (and one
+    character's steps); before, each request had its own, 4 budgets a step. All stop exactly
+    where unbounded matching stops."""
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=16384))
+    per_step = matching_per_step(engine, monkeypatch)
+    forced = "ab" * 600 + "Q" + "cd" * 100
+    requests = [
+        GenerateRequest(
+            text="Hi",
+            sampling=SamplingParams(max_new_tokens=3000, temperature=1, seed=i, stop_regex=[HEAVY]),
+            constraint=Constraint(grammar=f'root ::= "{forced}" [a-z]'),
+        )
+        for i in range(4)
+    ]
+    try:
+        results = [h.result() for h in engine.submit_many(requests)]
+    finally:
+        engine.close()
+    expected = forced[: re.search(HEAVY, forced).start()]
+    assert all(r.text == expected and r.finish_reason == "stop" for r in results), results
+    assert sum(per_step) > 4 * 1_000_000  # the matching all happened, step by step
+    assert max(per_step) <= 8192 + 3 * 2048 + 1, max(per_step)
+
+
+def test_jump_forward_text_never_holds_the_engine_thread(tiny_model_dir, monkeypatch):
+    """Two requests whose grammar forces 1,200 characters, with the heavy stop_regex: no
+    engine step does more than a bounded amount of matching (before: millions of automaton
+    steps, seconds, in one step), and they stop where re finds the match."""
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=8192))
+    per_step = matching_per_step(engine, monkeypatch)
     forced = "x" * 1100 + "Q" + "y b" * 30
     requests = [
         GenerateRequest(
@@ -190,7 +222,52 @@ def test_jump_forward_text_never_holds_the_engine_thread(tiny_model_dir, monkeyp
     expected = forced[: re.search(HEAVY, forced).start()]
     assert all(r.text == expected and r.finish_reason == "stop" for r in results), results
     assert sum(per_step) > 2 * 1_000_000  # the matching all happened, step by step
-    assert max(per_step) <= 2 * 2 * (8192 + 3 * 2048 + 1), max(per_step)
+    assert max(per_step) <= 8192 + 3 * 2048 + 1, max(per_step)  # one budget for both
+
+
+def forced_run(model_dir, monkeypatch, chunk_tokens: int) -> tuple[list, list[int]]:
+    """Two requests whose grammar forces 1,500 characters (jump-forward): their results and
+    the tokens each engine step computed."""
+    from runtime.scheduler.scheduler import Scheduler
+
+    per_step: list[int] = []
+    schedule = Scheduler.schedule
+
+    def counted(self):
+        batch = schedule(self)
+        if batch is not None:
+            per_step.append(sum(e.num_new + len(e.draft) for e in batch.entries))
+        return batch
+
+    monkeypatch.setattr(Scheduler, "schedule", counted)
+    forced = "The quick brown fox jumps over the lazy dog. " * 33
+    requests = [
+        GenerateRequest(
+            text="Say",
+            sampling=SamplingParams(max_new_tokens=2000, temperature=1, seed=i),
+            constraint=Constraint(grammar=f'root ::= "{forced}" [a-z]'),
+        )
+        for i in range(2)
+    ]
+    config = EngineConfig(
+        model=str(model_dir), max_kv_tokens=8192, chunked_prefill_tokens=chunk_tokens
+    )
+    with Engine(config) as engine:
+        results = engine.generate(requests)
+    return results, per_step
+
+
+def test_forced_tokens_are_computed_in_chunks_with_the_same_output(tiny_model_dir, monkeypatch):
+    """A jump-forward's hundreds of forced tokens go through the forward in chunks of the
+    step's prefill budget, as a prompt does (before: all of them in one pass, which held
+    every other request's step for seconds on the default model), and the output is what
+    one pass gives."""
+    whole, whole_steps = forced_run(tiny_model_dir, monkeypatch, 4096)
+    chunked, chunked_steps = forced_run(tiny_model_dir, monkeypatch, 64)
+    assert max(whole_steps) > 300  # the forced string in one pass
+    assert max(chunked_steps) <= 64 + 2, chunked_steps  # a chunk, plus the other's token
+    for a, b in zip(whole, chunked, strict=True):
+        assert (a.output_ids, a.text, a.finish_reason) == (b.output_ids, b.text, b.finish_reason)
 
 
 # ---------------------------------------------------------------- n > 1 streams interleave
@@ -233,3 +310,33 @@ def test_a_streamed_n_2_answer_interleaves_its_choices(server, route, body):
     assert sorted(finished) == [0, 1] and order.count(0) > 3 and order.count(1) > 3
     # side by side: choice 1 begins long before choice 0 ends (before: 0 0 0 ... 1 1 1)
     assert order.index(1) < len(order) - 1 - order[::-1].index(0) - 3, order
+
+
+def test_another_owners_request_that_fits_passes_one_that_does_not(tiny_model_dir, step_counter):
+    """One owner's long requests fill the pool, its next ones wait for room; another owner's
+    1-token request that fits starts at once instead of waiting behind them (before: the
+    first waiting request that did not fit stopped admission for everyone). The same owner's
+    requests still start in order."""
+    long_run = SamplingParams(max_new_tokens=600, ignore_eos=True, temperature=0)
+    hogs = [
+        GenerateRequest(input_ids=list(range(100 + i, 400 + i)), sampling=long_run, namespace="a")
+        for i in range(3)
+    ]
+    other = GenerateRequest(
+        input_ids=[9, 8, 7, 6],
+        sampling=SamplingParams(max_new_tokens=1, temperature=0),
+        namespace="b/salt",
+    )
+    config = EngineConfig(model=str(tiny_model_dir), max_kv_tokens=1024)
+    with Engine(config) as engine:
+        handles = engine.submit_many(hogs)
+        next(iter(handles[0].chunks()))  # the first is running; the others wait for room
+        start = step_counter.now()
+        result = engine.submit(other).result(timeout=120)
+        took = step_counter.now() - start
+        waiting = engine._call_in_loop(lambda: sorted(engine.scheduler.waiting))
+        for handle in handles:
+            handle.cancel()
+    assert result.finish_reason == "length"
+    assert took <= 5, f"the other owner waited {took} steps behind requests that did not fit"
+    assert waiting == sorted(h.rid for h in handles[1:])  # a's later ones: not started early

@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -33,7 +33,7 @@ from runtime.cache.radix import RadixCache, owner_of
 from runtime.cache.tiers import KVTiers
 from runtime.cache.token_index import TokenIndex
 from runtime.config import EngineConfig
-from runtime.generation import STOP_REGEX_STEP_BUDGET
+from runtime.generation import StopBudget
 from runtime.model.batch import ForwardBatch
 from runtime.scheduler.drafts import Drafter
 from runtime.scheduler.grammar_gate import GrammarGate
@@ -140,14 +140,15 @@ class Scheduler:
             order = self.policy.order(list(self.waiting.values()))
             self.kv.prefetch((req, self.policy.match(req)) for req in order)
         self.grammar.prepare([r for r in self.running if r.is_decoding])
-        self._catch_up_stops()
+        stop_budget = StopBudget()  # one for the step: catching up and sampling share it
+        self._catch_up_stops(stop_budget)
         entries = self._schedule_entries()
         if not entries:
             if not self._checking:
                 self.grammar.idle()
             return None
         for entry in entries:
-            entry.req.gen.new_step(STOP_REGEX_STEP_BUDGET)  # what its sampling may match
+            entry.req.gen.new_step(stop_budget)  # what its sampling may match (what is left)
         self.counters["steps"] += 1
         used = self.kv.allocator.num_used_slots
         self.counters["peak_used_slots"] = max(self.counters["peak_used_slots"], used)
@@ -174,16 +175,19 @@ class Scheduler:
         while True:
             self._ensure_decode_slots()
             decoding = [r for r in self.running if r.is_decoding]
-            entries = [
-                BatchEntry(r, r.num_tokens - r.num_computed, True, False, True)
-                for r in decoding
+            budget = self.config.chunked_prefill_tokens
+            entries = []
+            for req in decoding:
                 # else: stop matching is behind (_catch_up_stops), or its mask is not ready
-                if not r.gen.checking_stops and self.grammar.can_sample(r)
-            ]
+                if not req.gen.checking_stops and self.grammar.can_sample(req):
+                    entry = _decode_entry(req, budget)
+                    budget -= entry.num_new - 1
+                    entries.append(entry)
             num_deferred = len(decoding) - len(entries)
             if self.drafter is not None and len(entries) <= self.config.spec_max_batch:
-                entries = [self._with_draft(e, len(entries)) for e in entries]
-            budget = self.config.chunked_prefill_tokens
+                entries = [
+                    self._with_draft(e, len(entries)) if e.wants_logits else e for e in entries
+                ]
             for req in [r for r in self.running if not r.is_decoding]:
                 num_new = min(req.num_tokens - req.num_computed, budget)
                 if num_new <= 0 or not self.kv.grow(req, req.num_computed + num_new):
@@ -210,11 +214,13 @@ class Scheduler:
             return entry
         return replace(entry, draft=tuple(draft))
 
-    def _catch_up_stops(self) -> None:
+    def _catch_up_stops(self, budget: StopBudget) -> None:
         """Requests whose stop_regex matching is behind (it is bounded per step) read on,
-        within the step's budget; they sample again once caught up (generation.py)."""
-        for req in list(self._checking.values()):
-            req.gen.new_step(STOP_REGEX_STEP_BUDGET)
+        within the step's one budget, all of them together; they sample again once caught up
+        (generation.py). The first in line may spend it all: it goes last next step."""
+        checking = list(self._checking.values())
+        for req in checking:
+            req.gen.new_step(budget)
             req.gen.catch_up()
             _notify(req.on_delta, req)
             if req.gen.finished:
@@ -222,6 +228,8 @@ class Scheduler:
                 self._finish(req, req.gen.finish_reason)
             elif not req.gen.checking_stops:
                 del self._checking[req.rid]
+        if checking and checking[0].rid in self._checking:  # round robin: none is starved
+            self._checking[checking[0].rid] = self._checking.pop(checking[0].rid)
 
     def _abort_expired(self) -> None:
         """Abort requests past their deadline (timeout_s); with none due, one comparison."""
@@ -237,9 +245,12 @@ class Scheduler:
         available = self.kv.available_slots(reserved)
         held: list[Req] = []  # held back to keep what others read soon; admitted ones pass them
         flight = _InFlight(self.kv, self.running) if self.kv.keeps_wanted else None
+        blocked: set[Hashable] = set()  # owners whose first waiting request does not fit
         for req in self.policy.order(list(self.waiting.values())):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
+            if owner_of(req.namespace) in blocked:
+                continue  # an owner's requests start in order: its earlier one waits for room
             if req.gen.checking_stops or not self.grammar.can_sample(req, admitting=True):
                 continue  # (retracted) matching its stops, or its first mask is not ready
             self.prompt_logits.offer(req)  # a row kept for its whole prompt: it may match it all
@@ -252,7 +263,13 @@ class Scheduler:
                 if not self.running and not entries and need > self.kv.capacity_for_one:
                     self._fail_too_large(req, need)
                     continue
-                break
+                if req.num_passed >= self.config.admission_patience:
+                    break  # passed often enough: no later request starts before it
+                # another owner's request that fits may pass it (a tenant's long requests
+                # never hold another tenant's short one), a bounded number of times
+                blocked.add(owner_of(req.namespace))
+                held.append(req)
+                continue
             if flight is not None and self._holds_back(req, need, reserved, flight):
                 held.append(req)
                 continue
@@ -549,6 +566,16 @@ def _notify(callback: Callable[[Req], None] | None, req: Req) -> None:
         callback(req)
     except Exception:  # noqa: BLE001 - the caller's bug, not the scheduler's state
         traceback.print_exc(file=sys.stderr)
+
+
+def _decode_entry(req: Req, budget: int) -> BatchEntry:
+    """A decoding request's part of a step: the token it sampled, or after a jump-forward the
+    forced tokens, at most the step's remaining prefill `budget` of them beyond one, so a long
+    forced string is computed in chunks (one pass of thousands of tokens would hold every
+    other request's step); it samples once they are all computed."""
+    num_left = req.num_tokens - req.num_computed
+    num_new = min(num_left, 1 + max(0, budget - 1))
+    return BatchEntry(req, num_new, True, False, num_new == num_left)
 
 
 def _prefill_entry(req: Req, num_new: int, pin_row: bool) -> BatchEntry:
