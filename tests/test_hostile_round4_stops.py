@@ -174,21 +174,20 @@ def matching_per_step(engine, monkeypatch) -> list[int]:
     return per_step
 
 
-def test_n_copies_of_a_heavy_request_share_one_budget_a_step(tiny_model_dir, monkeypatch):
-    """n=4 requests forcing 2,000 characters past the heavy stop_regex (the benchmark's
-    attack): one engine step's matching, all requests together, is one budget (and one
-    character's steps); before, each request had its own, 4 budgets a step. All stop exactly
-    where unbounded matching stops."""
-    engine = Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=16384))
+def forced_past_heavy_stops(model_dir, monkeypatch, forced: str, num_requests: int, **sampling):
+    """`num_requests` requests whose grammar forces `forced`, with the heavy stop_regex, in
+    one engine: each stops where re finds the match, all the matching happened (a million
+    automaton steps a request at least), and no engine step did more than one budget of it
+    (and one character's steps), all requests together."""
+    engine = Engine(EngineConfig(model=str(model_dir), max_kv_tokens=16384))
     per_step = matching_per_step(engine, monkeypatch)
-    forced = "ab" * 600 + "Q" + "cd" * 100
     requests = [
         GenerateRequest(
-            text="Hi",
-            sampling=SamplingParams(max_new_tokens=3000, temperature=1, seed=i, stop_regex=[HEAVY]),
+            sampling=SamplingParams(temperature=1, seed=i, stop_regex=[HEAVY], **sampling),
             constraint=Constraint(grammar=f'root ::= "{forced}" [a-z]'),
+            text="Hi",
         )
-        for i in range(4)
+        for i in range(num_requests)
     ]
     try:
         results = [h.result() for h in engine.submit_many(requests)]
@@ -196,33 +195,24 @@ def test_n_copies_of_a_heavy_request_share_one_budget_a_step(tiny_model_dir, mon
         engine.close()
     expected = forced[: re.search(HEAVY, forced).start()]
     assert all(r.text == expected and r.finish_reason == "stop" for r in results), results
-    assert sum(per_step) > 4 * 1_000_000  # the matching all happened, step by step
+    assert sum(per_step) > num_requests * 1_000_000
     assert max(per_step) <= 8192 + 3 * 2048 + 1, max(per_step)
+
+
+def test_n_copies_of_a_heavy_request_share_one_budget_a_step(tiny_model_dir, monkeypatch):
+    """n=4 requests forcing 1,400 characters past the heavy stop_regex (the benchmark's
+    attack): one engine step's matching, all requests together, is one budget; before, each
+    request had its own, 4 budgets a step."""
+    forced = "ab" * 600 + "Q" + "cd" * 100
+    forced_past_heavy_stops(tiny_model_dir, monkeypatch, forced, 4, max_new_tokens=3000)
 
 
 def test_jump_forward_text_never_holds_the_engine_thread(tiny_model_dir, monkeypatch):
     """Two requests whose grammar forces 1,200 characters, with the heavy stop_regex: no
     engine step does more than a bounded amount of matching (before: millions of automaton
-    steps, seconds, in one step), and they stop where re finds the match."""
-    engine = Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=8192))
-    per_step = matching_per_step(engine, monkeypatch)
+    steps, seconds, in one step)."""
     forced = "x" * 1100 + "Q" + "y b" * 30
-    requests = [
-        GenerateRequest(
-            text="Say",
-            sampling=SamplingParams(max_new_tokens=2000, temperature=1, seed=i, stop_regex=[HEAVY]),
-            constraint=Constraint(grammar=f'root ::= "{forced}" [a-z]'),
-        )
-        for i in range(2)
-    ]
-    try:
-        results = engine.generate(requests)
-    finally:
-        engine.close()
-    expected = forced[: re.search(HEAVY, forced).start()]
-    assert all(r.text == expected and r.finish_reason == "stop" for r in results), results
-    assert sum(per_step) > 2 * 1_000_000  # the matching all happened, step by step
-    assert max(per_step) <= 8192 + 3 * 2048 + 1, max(per_step)  # one budget for both
+    forced_past_heavy_stops(tiny_model_dir, monkeypatch, forced, 2, max_new_tokens=2000)
 
 
 def forced_run(model_dir, monkeypatch, chunk_tokens: int) -> tuple[list, list[int]]:

@@ -456,11 +456,8 @@ class RadixCache:
         evictable = protected = wanted = num_nodes = 0
         candidates: set[int] = set()
         slot_chunks: list[torch.Tensor] = []
-        for namespace, root in self._roots.items():
-            assert root.lock_ref == 1 and root.depth == 0 and not root.key, "bad root"
-            assert root.namespace == namespace and not root.evicted, f"root of {namespace!r}"
-            # an empty namespace's root is dropped (names cost memory; only KV pays for them)
-            assert namespace is None or root.children, f"empty root kept: {namespace!r}"
+        self._check_roots()
+        for root in self._roots.values():
             stack = [root]
             while stack:
                 node = stack.pop()
@@ -490,8 +487,6 @@ class RadixCache:
                     stack.append(child)
                 if node.parent is not None:  # the root's lock is fixed; walks stop below it
                     assert node.lock_ref >= child_locks, f"lock_ref below children's: {node!r}"
-        owners = Counter(owner_of(ns) for ns in self._roots if ns is not None)
-        assert owners == self._roots_of, f"namespaces per owner drifted: {self._roots_of}"
         assert evictable == self.evictable_size, f"{evictable=} != {self.evictable_size=}"
         assert protected == self.protected_size, f"{protected=} != {self.protected_size=}"
         assert wanted == self.wanted_size, f"{wanted=} != {self.wanted_size=}"
@@ -565,6 +560,17 @@ class RadixCache:
         return children
 
     # ---------------------------------------------------------------- internals
+    def _check_roots(self) -> None:
+        """Each root is locked, live and names its namespace; but the default one, each holds
+        tokens (an emptied namespace's root is dropped: names cost memory, only KV pays for
+        them); the live namespaces per owner are counted right."""
+        for namespace, root in self._roots.items():
+            assert root.lock_ref == 1 and root.depth == 0 and not root.key, "bad root"
+            assert root.namespace == namespace and not root.evicted, f"root of {namespace!r}"
+            assert namespace is None or root.children, f"empty root kept: {namespace!r}"
+        owners = Counter(owner_of(ns) for ns in self._roots if ns is not None)
+        assert owners == self._roots_of, f"namespaces per owner drifted: {self._roots_of}"
+
     def _init_tree(self) -> None:
         self._clock = 0
         self._roots: dict[Namespace, RootNode] = {None: RootNode(None, 0)}

@@ -260,16 +260,9 @@ class Scheduler:
                 continue
             need = req.num_tokens - position.prefix_len + self._growth_reserve(req)
             if need > available:
-                if not self.running and not entries and need > self.kv.capacity_for_one:
-                    self._fail_too_large(req, need)
+                if self._passed_by_others(req, need, blocked, held, admitted_any=bool(entries)):
                     continue
-                if req.num_passed >= self.config.admission_patience:
-                    break  # passed often enough: no later request starts before it
-                # another owner's request that fits may pass it (a tenant's long requests
-                # never hold another tenant's short one), a bounded number of times
-                blocked.add(owner_of(req.namespace))
-                held.append(req)
-                continue
+                break
             if flight is not None and self._holds_back(req, need, reserved, flight):
                 held.append(req)
                 continue
@@ -302,6 +295,22 @@ class Scheduler:
             for waiting in held:
                 waiting.num_passed += 1
         return entries
+
+    def _passed_by_others(
+        self, req: Req, need: int, blocked: set[Hashable], held: list[Req], admitted_any: bool
+    ) -> bool:
+        """`req` does not fit now: whether later requests may still start this step (it failed
+        as too large for the pool, or other owners' requests that fit may pass it, at most
+        `admission_patience` times: a tenant's long requests never hold another's short one),
+        or admission stops at it."""
+        if not self.running and not admitted_any and need > self.kv.capacity_for_one:
+            self._fail_too_large(req, need)
+            return True
+        if req.num_passed >= self.config.admission_patience:
+            return False  # passed often enough: no later request starts before it
+        blocked.add(owner_of(req.namespace))  # its owner's later requests wait behind it
+        held.append(req)  # counted as passed by each request admitted after it
+        return True
 
     def _holds_back(self, req: Req, need: int, reserved: int, flight: _InFlight) -> bool:
         """Graph eviction: whether `req` waits so that work in flight keeps its KV (Belady's
