@@ -96,13 +96,12 @@ class GenerationState:
         amount a step): the request must not sample until catch_up() ended this."""
         return self._waiting is not None or bool(self._held)
 
-    def new_step(self, budget: StopBudget | int = STOP_REGEX_STEP_BUDGET) -> None:
-        """Let stop_regex matching take at most `budget` automaton steps (one character's
-        more at most) until the next new_step; unbounded before the first. A StopBudget may be
-        shared with other requests: what one spends, the others no longer have."""
+    def new_step(self, budget: StopBudget) -> None:
+        """Let stop_regex matching take at most what is left of `budget` (one character's
+        steps more at most) until the next new_step; unbounded before the first. The budget
+        may be shared with other requests: what one spends, the others no longer have."""
         if self._regex_stops is not None:
-            shared = isinstance(budget, StopBudget)
-            self._regex_stops.budget = budget if shared else StopBudget(budget)
+            self._regex_stops.budget = budget
 
     def catch_up(self) -> None:
         """Read on where stop_regex matching is behind (within the step's budget) and apply

@@ -21,7 +21,7 @@ from test_stop_regex import PATTERNS as BASE_PATTERNS
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.generation import GenerationState
+from runtime.generation import GenerationState, StopBudget
 from runtime.protocol import Constraint, GenerateRequest, SamplingParams
 from runtime.stop_regex import StopRegexMatcher
 
@@ -95,7 +95,7 @@ def run(tokenizer, ids, params, budget, per_step):
         steps += 1
         before = gen._regex_stops.num_steps
         if budget is not None:
-            gen.new_step(budget)
+            gen.new_step(StopBudget(budget))
         if gen.checking_stops:
             gen.catch_up()
         elif i < len(ids):

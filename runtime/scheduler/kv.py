@@ -83,13 +83,13 @@ class KVManager:
         self.clock: Callable[[], float] = time.monotonic
         self.now_s = 0.0  # read once a step: branches pausing in one step tie, deterministically
         self.trace: list[tuple] | None = [] if config.record_trace else None
-        # paused branches back right away: (program, branch) -> (pause s, tokens still to come,
-        # owner), at most MAX_BRANCHES_PER_OWNER per owner
+        # paused branches back right away: (owner, program, branch) -> (pause s, tokens still
+        # to come), at most MAX_BRANCHES_PER_OWNER per owner
         self._in_flight = _BranchTable()
         self.tiers = tiers if isinstance(self.cache, RadixCache) else None
         if self.tiers is not None:
             self.cache.demote_sink = self.tiers.demote
-        # branches that declared when they return: (program, branch) -> (return s, namespace,
+        # branches that declared when they return: (owner, program, branch) -> (return s, namespace,
         # ids, their chunk names), prefetched from disk PREFETCH_LEAD_S ahead; at most
         # MAX_BRANCHES_PER_OWNER per owner
         self._returning = _BranchTable()
@@ -139,13 +139,13 @@ class KVManager:
         away (within the grace) and running requests."""
         expired = [
             key
-            for key, (pause_s, _, _) in self._in_flight.items()
+            for key, (pause_s, _) in self._in_flight.items()
             if pause_s < self.now_s - CONTINUATION_GRACE_S
         ]
         for key in expired:
             self._in_flight.pop(key)
         tokens: Counter = Counter()
-        for _, paused, owner in self._in_flight.values():
+        for (owner, _, _), (_, paused) in self._in_flight.items():
             tokens[owner] += paused
         for req in running:
             tokens[owner_of(req.namespace)] += future_tokens(req, self.allocator.num_slots)
@@ -310,13 +310,13 @@ class KVManager:
         self.marks.mark_continuation(req.lock_pos, self.now_s + after_s, not after_s)
         if hints.program_id is None:
             return
-        key, owner = _branch_key(req), owner_of(req.namespace)
+        key = _branch_key(req)
         if not after_s and self.keeps_wanted:
             tokens = future_tokens(req, self.allocator.num_slots)
-            self._in_flight.put(key, owner, (self.now_s, tokens, owner))
+            self._in_flight.put(key, (self.now_s, tokens))
         if after_s and self.tiers is not None:
             ids = array("i", req.tokens(0, req.num_locked))  # 4 bytes a token, not 36
-            self._returning.put(key, owner, (self.now_s + after_s, req.namespace, ids, []))
+            self._returning.put(key, (self.now_s + after_s, req.namespace, ids, []))
 
     @property
     def num_remembered_branches(self) -> tuple[int, int]:
@@ -367,17 +367,18 @@ def future_tokens(req: Req, pool_slots: int) -> int:
 
 
 def _branch_key(req: Req) -> tuple:
-    """A program branch, qualified by its owner (program ids are the client's to choose)."""
+    """A program branch, qualified by its owner, first (program ids are the client's to
+    choose)."""
     return owner_of(req.namespace), req.hints.program_id, req.hints.branch_id
 
 
 class _BranchTable:
-    """A branch key -> an entry, each attributed to an owner, at most MAX_BRANCHES_PER_OWNER
-    per owner and MAX_BRANCHES in all: putting one more drops the owner's (or the table's)
-    oldest."""
+    """A branch key (_branch_key: its owner first) -> an entry, at most
+    MAX_BRANCHES_PER_OWNER per owner and MAX_BRANCHES in all: putting one more drops the
+    owner's (or the table's) oldest."""
 
     def __init__(self) -> None:
-        self._entries: dict[tuple, tuple[Hashable, tuple]] = {}
+        self._entries: dict[tuple, tuple] = {}  # in insertion order: the oldest first
         self._by_owner: dict[Hashable, OrderedDict[tuple, None]] = {}
 
     def __len__(self) -> int:
@@ -386,30 +387,27 @@ class _BranchTable:
     def __bool__(self) -> bool:
         return bool(self._entries)
 
-    def put(self, key: tuple, owner: Hashable, entry: tuple) -> None:
+    def put(self, key: tuple, entry: tuple) -> None:
         self.pop(key)
-        keys = self._by_owner.setdefault(owner, OrderedDict())
+        keys = self._by_owner.get(key[0], {})
         while len(keys) >= MAX_BRANCHES_PER_OWNER:
-            del self._entries[keys.popitem(last=False)[0]]
+            self.pop(next(iter(keys)))  # the owner's oldest
         if len(self._entries) >= MAX_BRANCHES:
-            self.pop(next(iter(self._entries)))  # insertion order: the oldest
-            keys = self._by_owner.setdefault(owner, keys)
-        keys[key] = None
-        self._entries[key] = (owner, entry)
+            self.pop(next(iter(self._entries)))  # the table's oldest
+        self._by_owner.setdefault(key[0], OrderedDict())[key] = None
+        self._entries[key] = entry
 
-    def pop(self, key: tuple, default: object = None) -> object:
-        found = self._entries.pop(key, None)
-        if found is None:
-            return default
-        owner, entry = found
-        keys = self._by_owner[owner]
-        del keys[key]
-        if not keys:
-            del self._by_owner[owner]
+    def pop(self, key: tuple) -> tuple | None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            keys = self._by_owner[key[0]]
+            del keys[key]
+            if not keys:
+                del self._by_owner[key[0]]
         return entry
 
     def items(self) -> list[tuple[tuple, tuple]]:
-        return [(key, entry) for key, (_, entry) in self._entries.items()]
+        return list(self._entries.items())
 
     def values(self) -> list[tuple]:
-        return [entry for _, entry in self._entries.values()]
+        return list(self._entries.values())
