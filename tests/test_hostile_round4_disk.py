@@ -144,6 +144,42 @@ def test_a_fifo_on_disk_does_not_hang_the_engine(tmp_path):
         engine.close()
 
 
+@pytest.mark.parametrize("host_kv_gb", [0.0, 0.001])
+def test_chunk_files_are_read_off_the_loop_thread(tmp_path, monkeypatch, host_kv_gb):
+    """#8, the last part: a restart that answers from disk reads every chunk file on the
+    prefetch thread (before: admission read them on the engine's loop thread, so a slow or
+    hostile file held every tenant's step), with or without host memory to read them into;
+    admission waits for them and loads them, so the answer is the same and nothing of the
+    prompt's whole chunks is computed."""
+    settings = {
+        "model": "random:tiny",
+        "max_kv_tokens": 512,
+        "attention_backend": "torch",
+        "disk_kv_dir": str(tmp_path),
+        "kv_write_policy": "write_through",
+        "host_kv_gb": host_kv_gb,
+    }
+    request = GenerateRequest(input_ids=PROMPT, sampling=GREEDY)
+    with Engine(EngineConfig(**settings)) as engine:
+        [cold] = engine.generate(request)
+    readers: list[str] = []
+    read = DiskTier.read
+
+    def recorded(self, key):
+        readers.append(threading.current_thread().name)
+        return read(self, key)
+
+    monkeypatch.setattr(DiskTier, "read", recorded)
+    with Engine(EngineConfig(**settings)) as engine:
+        [warm] = engine.generate(request)
+        waits = engine.stats()["disk_waits_total"]
+        chunk_tokens = engine.tiers.chunk_tokens
+    assert warm.output_ids == cold.output_ids
+    assert warm.loaded_tokens == len(PROMPT) // chunk_tokens * chunk_tokens > 0
+    assert readers and set(readers) == {"kv-prefetch"}, readers
+    assert waits >= 1  # admission waited for the reads, once at least
+
+
 # ---------------------------------------------------------------- #9: weights by content
 def rewrite_weights_in_place(model_dir: Path) -> None:
     """Other values, same tensors, same file size, the old mtime put back."""

@@ -330,3 +330,47 @@ def test_another_owners_request_that_fits_passes_one_that_does_not(tiny_model_di
     assert result.finish_reason == "length"
     assert took <= 5, f"the other owner waited {took} steps behind requests that did not fit"
     assert waiting == sorted(h.rid for h in handles[1:])  # a's later ones: not started early
+
+
+def hog_and_other(model_dir, step_counter, other_namespace: str):
+    """Owner "a"'s 900-token request (100 new tokens) holds all but ~50 slots of a 1,024-slot
+    pool; a 60-token request in `other_namespace` arrives once it runs. The steps the other
+    request took, both outputs, and the share retractions counted."""
+    hog = GenerateRequest(
+        input_ids=[(7 * i) % 250 + 3 for i in range(900)],
+        sampling=SamplingParams(max_new_tokens=100, ignore_eos=True, temperature=0),
+        namespace="a",
+    )
+    other = GenerateRequest(
+        input_ids=list(range(40, 100)),
+        sampling=SamplingParams(max_new_tokens=1, temperature=0),
+        namespace=other_namespace,
+    )
+    config = EngineConfig(model=str(model_dir), max_kv_tokens=1024, chunked_prefill_tokens=512)
+    with Engine(config) as engine:
+        handle = engine.submit(hog)
+        next(iter(handle.chunks()))  # it runs, its whole prompt computed
+        start = step_counter.now()
+        result = engine.submit(other).result(timeout=120)
+        took = step_counter.now() - start
+        hog_result = handle.result(timeout=300)
+        engine.scheduler.check_integrity()
+        retracted = engine.stats()["share_retractions_total"]
+    return took, result, hog_result, retracted
+
+
+def test_an_owner_over_its_share_of_the_pool_makes_room_for_another(tiny_model_dir, step_counter):
+    """#3's last piece: one owner's running request holds the pool (as the attack's n copies
+    of a 4,000-token answer did while their stop matching caught up); another owner's request
+    that does not fit starts within a few steps: the hog, over its half of the pool, is
+    retracted (its KV kept in the tree) and comes back with the same output. Before, the other
+    owner waited for the hog to end. With one owner nothing is retracted."""
+    took, result, hog, retracted = hog_and_other(tiny_model_dir, step_counter, "b")
+    assert result.finish_reason == "length" and retracted >= 1
+    assert took <= 5, f"the other owner waited {took} steps behind the hog"
+    alone_took, alone, alone_hog, alone_retracted = hog_and_other(
+        tiny_model_dir, step_counter, "a/salt"
+    )
+    assert alone_retracted == 0 and alone_took > 50  # the same owner: it waits its turn
+    assert hog.output_ids == alone_hog.output_ids and len(hog.output_ids) == 100
+    assert result.output_ids == alone.output_ids

@@ -99,6 +99,9 @@ class TierMachine(RuleBasedStateMachine):
             self.cache.lock(match.position)
         slots, lock = match.indices, match.position if match.prefix_len else None
         extent = self.tiers.extent(namespace, seq, match.prefix_len, aligned)
+        if not self.tiers.ready(extent):  # admission waits for the prefetch thread's reads
+            self.tiers.drain()
+            extent = self.tiers.extent(namespace, seq, match.prefix_len, aligned)
         computed_from = match.prefix_len
         need = aligned - match.prefix_len
         if need > self.cache.allocator.num_free_slots:

@@ -17,7 +17,7 @@ policy, with these tier configurations:
      it may compute less than the bound;
   e  (not run by default) L2 for a quarter of the working set + L3: L2 spills to disk and the
      prefetch thread brings chunks back. In c nothing reaches L3 (L2 holds everything) and in
-     d there is no L2 to prefetch into, so e is the configuration where `hidden` can be > 0.
+     d there is no L2 to prefetch into, so e is the configuration where L2 and L3 both serve loads.
 Orders: rounds (every user's turn t, then turn t+1) and interleaved, where every continuation
 tells its think time (`GraphHints.next_turn_after_s`), so the disk prefetch has declared
 returns to act on. Greedy decoding and the reference attention: every run's outputs must equal
@@ -34,10 +34,10 @@ Columns:
   load tok/s   tokens loaded ÷ seconds the admission path spent loading (the step waited);
   recompute tok/s  tokens computed ÷ wall s (a coarse rate: wall includes decoding), so load
                beats recompute by the ratio of the two;
-  hidden       of the time spent reading chunk files, the share the prefetch thread spent
-               (nobody waited for it): prefetch s ÷ (prefetch s + disk reads on the admission
-               path). Copies from host memory are not counted: on CPU they run on the same
-               cores whenever they happen (on a GPU they would go to a side stream).
+  waits        admission passes in which a request waited for its chunk files (read on the
+               prefetch thread: the loop thread never reads a file) and the prefetch thread's
+               seconds of reading. Copies from host memory are not counted: on CPU they run
+               on the same cores whenever they happen (on a GPU they would go to a side stream).
 Below the table, the warm restart: W1's first round (turn-0 requests) on an empty disk
 directory vs on the directory a full earlier run closed on (config d's two runs): prompt
 tokens those requests computed, and the ratio (goal < 10%).
@@ -196,8 +196,7 @@ def row(run: TierRun, reference: TierRun) -> str:
     from_host = s.get("kv_loaded_host_tokens_total", 0)
     from_disk = s.get("kv_loaded_disk_tokens_total", 0)
     load_s = s.get("kv_load_seconds_total", 0.0)
-    disk_s = s.get("kv_load_disk_seconds_total", 0.0)  # chunk files read while a step waited
-    prefetch_s = s.get("kv_prefetch_seconds_total", 0.0)  # ... and on the prefetch thread
+    prefetch_s = s.get("kv_prefetch_seconds_total", 0.0)  # no tiers (config a): none read
     ttfts = [r.ttft_s * 1e3 for turn, r in run.turns if turn >= 1 and r.ttft_s is not None]
     columns = [
         f"{computed:,} ({computed / bound:.2f}x)",
@@ -207,7 +206,7 @@ def row(run: TierRun, reference: TierRun) -> str:
         f"{percentile(ttfts, 0.5):.0f} / {percentile(ttfts, 0.9):.0f}" if ttfts else "-",
         f"{(from_host + from_disk) / load_s:,.0f}" if load_s else "-",
         f"{computed / cell.wall_s:,.0f}",
-        f"{prefetch_s / (prefetch_s + disk_s):.0%}" if prefetch_s + disk_s else "-",
+        f"{s['disk_waits_total']:,} / {prefetch_s:.2f} s",
     ]
     return " | ".join(columns) + " |"
 
@@ -223,7 +222,7 @@ def bench(args: argparse.Namespace) -> None:
     header = (
         "| workload | order | pool | policy | tiers | computed (÷ bound) | from L2 | from L3 | "
         "wall s (÷ unconstrained) | TTFT p50 / p90 ms, turns ≥ 1 | load tok/s | "
-        "recompute tok/s | hidden |"
+        "recompute tok/s | waits |"
     )
     print(f"\n{header}\n| --- | --- | --- | --- | --- |" + " ---: |" * 8, flush=True)
     restarts, notes = [], []

@@ -11,8 +11,10 @@ says so). A chunk may live in L2, L3 or both; the tree's nodes stay device-only,
 the lower tiers extend a device match" is a walk along the request's own chunk names.
 
 Threads: the engine's loop thread demotes, probes and loads; a writer thread writes L3 files
-(write-back from L2, or write-through); a prefetch thread reads L3 files into L2 ahead of
-admission. `lock` guards the indexes and host rows; file I/O happens outside it, but for a
+(write-back from L2, or write-through); a prefetch thread reads L3 files ahead of admission, into
+L2 or, with no L2, into a small staging area (staging.py). The loop thread never reads a file:
+admission waits for a reader's files (`ready`), at most `DISK_WAIT_S`, and what is not read by
+then is computed. `lock` guards the indexes and host rows; file I/O happens outside it, but for a
 write the writer thread is too far behind to take (the caller writes it rather than lose it).
 """
 
@@ -33,6 +35,7 @@ import torch
 from runtime.cache.chunks import TierLayout, TierView, chunk_names, root_name, tail_name
 from runtime.cache.disk_tier import DiskTier
 from runtime.cache.pool import KVPool, lazy_zeros
+from runtime.cache.staging import StagingArea
 from runtime.prefix import common_prefix_len
 
 log = logging.getLogger("flowlang.kv_tiers")
@@ -166,9 +169,8 @@ class TierCounters:
     demoted_tokens: int = 0  # L1 evictions kept below (chunks not already there)
     loaded_host_tokens: int = 0
     loaded_disk_tokens: int = 0
-    prefetched_chunks: int = 0  # L3 -> L2 ahead of admission
+    prefetched_chunks: int = 0  # L3 -> L2 (or the staging area) ahead of admission
     load_seconds: float = 0.0  # on the admission path (the step waits for it)
-    disk_read_seconds: float = 0.0  # ... of which reading chunk files
     prefetch_seconds: float = 0.0  # reading chunk files on the prefetch thread (nobody waits)
     writes_inline: int = 0  # L3 writes made on the caller's thread: the writer was behind
     errors: int = 0  # unexpected failures below the pool (see KVTiers._failed)
@@ -208,6 +210,7 @@ class KVTiers:
         self._writes: queue.Queue = queue.Queue(WRITE_QUEUE_CHUNKS)
         self._prefetches: queue.Queue = queue.Queue()
         self._prefetching: set[bytes] = set()
+        self._staged = StagingArea(layout.chunk_nbytes)  # read for admission (`ready`)
         # KV events (events.py): publisher.emit once someone subscribes; changes made on any
         # thread wait in _events until the loop thread flushes them (once a step)
         self.event_sink: Callable[..., None] | None = None
@@ -416,7 +419,8 @@ class KVTiers:
 
     def _load(self, extent: TierExtent, slots: torch.Tensor) -> int:
         """Chunk by chunk, straight from a host row (under the lock, so it is not reused
-        meanwhile) or from a file into the pool: one copy per chunk."""
+        meanwhile), a queued write or a staged read into the pool: one copy per chunk. Files
+        are read on the prefetch thread only (`ready`): a chunk not read by now is computed."""
         started = time.perf_counter()
         c = self.chunk_tokens
         items = [(name, c) for name in extent.names]
@@ -435,13 +439,11 @@ class KVTiers:
                     from_host += size - skip
                 else:
                     chunk = self._pending.get(name)
+                    if chunk is None:
+                        chunk = self._staged.take(name)
             if row is None:
-                if chunk is None and name != extent.tail:
-                    read_started = time.perf_counter()
-                    chunk = self.disk.read(name) if self.disk is not None else None
-                    self.counters.disk_read_seconds += time.perf_counter() - read_started
                 if chunk is None:
-                    break  # a bad file, or a partial chunk pushed out: the rest is computed
+                    break  # a bad or unread file, a partial chunk pushed out: computed
                 self.pool.write_rows(target, chunk[0, :, skip:size], chunk[1, :, skip:size])
             loaded += size - skip
             read.append(name)
@@ -455,25 +457,60 @@ class KVTiers:
 
     @property
     def hold_budget_chunks(self) -> int:
-        """How many L2 chunks may be held for known readers at once."""
-        return self.host.capacity_chunks // 2 if self.host is not None else 0
+        """How many chunks may be held (L2) or staged (no L2) for known readers at once."""
+        if self.host is not None:
+            return self.host.capacity_chunks // 2
+        return self._staged.capacity_chunks if self.disk is not None else 0
 
     def prefetch(self, extent: TierExtent, budget_chunks: int) -> int:
-        """Keep the first `budget_chunks` chunks of the extent in L2 for a known reader:
-        hold those already there, bring the L3-only ones in on the prefetch thread (never
-        waits). Returns how many chunks of the budget it used."""
-        if self.host is None:
-            return 0
+        """Keep the first `budget_chunks` chunks of the extent in host memory for a known
+        reader: hold those already in L2, read the L3-only ones on the prefetch thread
+        (into L2, else the staging area; never waits). Returns the chunks of the budget used."""
         names = extent.names[:budget_chunks]
-        with self.lock:
-            for name, here in zip(names, extent.in_host, strict=False):
-                if here:
-                    self.host.hold(name)
-        for name, here in zip(names, extent.in_host, strict=False):
-            if not here and self.disk is not None and name not in self._prefetching:
-                self._prefetching.add(name)
-                self._prefetches.put(name)
+        if self.host is not None:
+            with self.lock:
+                for name, here in zip(names, extent.in_host, strict=False):
+                    if here:
+                        self.host.hold(name)
+        unread = [n for n, here in zip(names, extent.in_host, strict=False) if not here]
+        self._read_ahead(unread, into_host=self.host is not None)
         return len(names)
+
+    def ready(self, extent: TierExtent) -> bool:
+        """Admission's question: can the extent be loaded without reading a file on this
+        thread (its chunks in L2, a queued write or the staging area)? If not, the missing
+        ones are queued for the prefetch thread into the staging area (never waits); what
+        the area cannot take is computed."""
+        if self.disk is None:
+            return True
+        with self.lock:
+            unread = [
+                name
+                for name in extent.names
+                if not (self.host is not None and name in self.host)
+                and name not in self._staged
+                and name not in self._pending
+            ]
+            del unread[self._staged.capacity_chunks :]
+        self._read_ahead(unread, into_host=False)
+        return not unread
+
+    def _read_ahead(self, names: Iterable[bytes], into_host: bool) -> None:
+        """Queue L3-only chunks for the prefetch thread, each once at a time; for the staging
+        area only while it has room (what is staged for the first readers is never pushed
+        out by reads for later ones)."""
+        if self.disk is None:
+            return
+        for name in names:
+            if name in self._prefetching:
+                continue
+            if not into_host:
+                with self.lock:
+                    if not self._staged.has_room:
+                        return
+                    self._staged.num_reading += 1
+            self._prefetching.add(name)
+            self._prefetches.put((name, into_host))
 
     def _put_host(self, name: bytes, data: torch.Tensor) -> None:
         """Copy a chunk (2, layers, c, heads, dim) into an L2 row, unless it is there."""
@@ -533,28 +570,36 @@ class KVTiers:
                 self._writes.task_done()
 
     def _prefetch_loop(self) -> None:
-        while (name := self._prefetches.get()) is not None:
+        while (item := self._prefetches.get()) is not None:
+            name, into_host = item
             try:
-                self._prefetch_one(name)
+                self._prefetch_one(name, into_host)
             except Exception:  # noqa: BLE001 - a bug here must not stop prefetching (or drain)
                 self._failed("prefetching a KV chunk")
             finally:
+                if not into_host:
+                    with self.lock:
+                        self._staged.num_reading -= 1
                 self._prefetching.discard(name)
                 self._prefetches.task_done()
 
-    def _prefetch_one(self, name: bytes) -> None:
+    def _prefetch_one(self, name: bytes, into_host: bool) -> None:
         started = time.perf_counter()
         with self.lock:
-            known = name in self.host
-            if known:
+            known = name in self.host if into_host else name in self._staged
+            if known and into_host:
                 self.host.hold(name)
         data = None if known else self.disk.read(name)
-        if data is not None:
-            with self.lock:
+        if data is None:
+            return  # known already, or a bad file (DiskTier forgets it: the extent ends there)
+        with self.lock:
+            if into_host:
                 self._put_host(name, data)
                 self.host.hold(name)
-                self.counters.prefetched_chunks += 1
-                self.counters.prefetch_seconds += time.perf_counter() - started
+            else:
+                self._staged.put(name, data)
+            self.counters.prefetched_chunks += 1
+            self.counters.prefetch_seconds += time.perf_counter() - started
 
     def _failed(self, what: str) -> None:
         """An unexpected error below the pool: the KV involved is computed again instead
@@ -616,7 +661,6 @@ class KVTiers:
             "kv_loaded_disk_tokens_total": c.loaded_disk_tokens,
             "kv_prefetched_tokens_total": c.prefetched_chunks * self.chunk_tokens,
             "kv_load_seconds_total": c.load_seconds,
-            "kv_load_disk_seconds_total": c.disk_read_seconds,
             "kv_prefetch_seconds_total": c.prefetch_seconds,
             "kv_host_held_tokens": self.host.num_held * self.chunk_tokens
             if self.host is not None
@@ -638,6 +682,7 @@ class KVTiers:
 
     def check_integrity(self) -> None:
         with self.lock:
+            self._staged.check_integrity()
             if self.host is not None:
                 self.host.check_integrity()
             indexed = {name for tails in self._tails.values() for name in tails.values()}

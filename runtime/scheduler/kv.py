@@ -48,6 +48,9 @@ from runtime.scheduler.request import Req, ReqStatus
 
 PREFETCH_QUEUE_DEPTH = 16  # waiting requests, in admission order, whose disk chunks are prefetched
 HOT_READS = 2  # write_through_selective: a prefix is copied down at its second cache hit
+# admission waits at most this long for a request's chunk files to be read (prefetch thread);
+# then it starts and computes what is not read (a slow or hostile disk holds nobody longer)
+DISK_WAIT_S = 2.0
 PREFETCH_LEAD_S = 2.0  # a branch that declared its return is prefetched this long before it
 # branches remembered per owner (paused right away; declared returns): the oldest goes first, so
 # a client naming a new program per request keeps at most this many (and their token ids)
@@ -93,6 +96,7 @@ class KVManager:
         # ids, their chunk names), prefetched from disk PREFETCH_LEAD_S ahead; at most
         # MAX_BRANCHES_PER_OWNER per owner
         self._returning = _BranchTable()
+        self._disk_waits: dict[str, float] = {}  # rid -> when admission began to wait for files
 
     # ------------------------------------------------------------------ sizes
     def available_slots(self, reserved: int) -> int:
@@ -157,8 +161,9 @@ class KVManager:
 
     @property
     def prefetches(self) -> bool:
-        """Whether there is host memory to hold (and prefetch from disk) what is read next."""
-        return self.tiers is not None and self.tiers.host is not None
+        """Whether there is host memory (L2, or the staging area of chunk files) to hold
+        what is read next."""
+        return self.tiers is not None and self.tiers.hold_budget_chunks > 0
 
     def prefetch(self, waiting: Iterable[tuple[Req, TreePosition]]) -> None:
         """Once a step: keep in host memory what the graph says is read next (the first
@@ -181,6 +186,22 @@ class KVManager:
                 budget -= tiers.prefetch(
                     tiers.extent(namespace, ids, start, len(ids), names), budget
                 )
+
+    def lower_ready(self, req: Req, position: TreePosition) -> bool:
+        """Admission's question to the lower tiers: are the chunk files that continue this
+        match read (on the prefetch thread: the loop thread never reads a file), or has it
+        waited DISK_WAIT_S for them (then what is not read is computed)?"""
+        if self.tiers is None:
+            return True
+        ids = req.all_ids
+        extent = self.tiers.extent(
+            req.namespace, ids, position.prefix_len, req.match_limit, req.chunk_names
+        )
+        if self.tiers.ready(extent):
+            self._disk_waits.pop(req.rid, None)
+            return True
+        now_s = time.monotonic()  # file reads take real time, whatever `clock` simulates
+        return now_s - self._disk_waits.setdefault(req.rid, now_s) > DISK_WAIT_S
 
     # ------------------------------------------------------------------ protocol
     def take_prefix(self, req: Req, position: TreePosition) -> int:
@@ -300,6 +321,7 @@ class KVManager:
             self.cache.unlock(req.lock_pos)
         self.free(req.slots[req.num_locked :])
         req.reset_kv()
+        self._disk_waits.pop(req.rid, None)
 
     def _paused(self, req: Req) -> None:
         """A continuing branch finished a request: mark its path, and remember it (bounded

@@ -41,6 +41,7 @@ from runtime.scheduler.kv import KVManager, future_tokens
 from runtime.scheduler.policy import SchedulePolicy
 from runtime.scheduler.prompt_logits import PromptLogits
 from runtime.scheduler.request import Req, ReqKind, ReqStatus
+from runtime.scheduler.shares import fair_share_victims
 
 if TYPE_CHECKING:
     from runtime.verify import EntryOutcome
@@ -142,6 +143,7 @@ class Scheduler:
         self.grammar.prepare([r for r in self.running if r.is_decoding])
         stop_budget = StopBudget()  # one for the step: catching up and sampling share it
         self._catch_up_stops(stop_budget)
+        self._keep_shares()
         entries = self._schedule_entries()
         if not entries:
             if not self._checking:
@@ -258,7 +260,10 @@ class Scheduler:
             if self.kv.shares_inflight(req, position.prefix_len, self.running):
                 self.counters["prefill_waits"] += 1
                 continue
-            need = req.num_tokens - position.prefix_len + self._growth_reserve(req)
+            if not self.kv.lower_ready(req, position):
+                self.counters["disk_waits"] += 1  # its chunk files are being read
+                continue
+            need = self._need(req)
             if need > available:
                 if self._passed_by_others(req, need, blocked, held, admitted_any=bool(entries)):
                     continue
@@ -373,14 +378,40 @@ class Scheduler:
             self.retract(max(self.running, key=lambda r: r.admit_seq))  # latest admitted first
 
     def retract(self, req: Req) -> None:
-        """Back to waiting, keeping its computed KV in the tree (unlocked) for its return."""
+        """Back to waiting, keeping its computed KV in the tree (unlocked) for its return;
+        growth was underestimated: reserve more from now on."""
+        self._back_to_waiting(req)
+        self.counters["retractions"] += 1
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
+
+    def _back_to_waiting(self, req: Req) -> None:
         self.running.remove(req)
         self.kv.release(req, insert=True)
         req.num_retractions += 1
         req.match_pos = None  # its tokens changed since the last match
         self.add(req)
-        self.counters["retractions"] += 1
-        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
+
+    def _keep_shares(self) -> None:
+        """Before the step: retract requests of owners over their share of the pool when
+        another owner's first waiting request, within its share, does not fit (shares.py)."""
+        if not self.waiting or not self.running:
+            return
+        reserved = sum(map(self._reserved_slots, self.running))
+        victims = fair_share_victims(
+            self.running,
+            list(self.waiting.values()),
+            self.kv.allocator.num_slots,
+            claim_of=lambda r: r.num_tokens + self._growth_reserve(r),
+            need_of=self._need,
+            available_slots=self.kv.available_slots(reserved),
+        )
+        for req in victims:
+            self._back_to_waiting(req)
+            self.counters["share_retractions"] += 1
+
+    def _need(self, req: Req) -> int:
+        """Slots admitting `req` promises: what it computes and reserves to grow."""
+        return req.num_tokens - self.policy.match(req).prefix_len + self._growth_reserve(req)
 
     def _fail_too_large(self, req: Req, need: int) -> None:
         pool, held = self.kv.allocator.num_slots, self.kv.cache.protected_size
@@ -489,7 +520,9 @@ class Scheduler:
             "cache_hit_rate": cached / (cached + computed) if cached + computed else 0.0,
             "evicted_tokens_total": cache.num_evicted_tokens,
             "retractions_total": c["retractions"],
+            "share_retractions_total": c["share_retractions"],
             "prefill_waits_total": c["prefill_waits"],
+            "disk_waits_total": c["disk_waits"],
             "admissions_held_total": c["admissions_held"],
             "requests_finished_total": c["finished"],
             "requests_aborted_total": c["aborted"],

@@ -1,0 +1,85 @@
+"""Fair shares of the KV pool between owners (tenants: `owner_of` a request's namespace).
+
+Admission lets another owner's request that fits pass one that does not (scheduler.py), but a
+request that fits nowhere waits for room, and running requests keep their room until they end:
+one owner's long requests (n copies of a 4,000-token answer, say) could hold the whole pool for
+minutes while another owner's one-token request waits. So each owner is promised an even share
+of the pool among the owners with work; when an owner within its share has a waiting request
+that does not fit, the latest-admitted running requests of owners over their share are
+retracted (their KV stays in the tree, unlocked, for their return: scheduler.retract) until it
+fits. With one owner nothing here ever acts.
+
+An owner's claim is what its running requests hold and still reserve (tokens plus the growth
+reserve admission counts): the same units as admission's `need`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
+
+from runtime.cache.radix import owner_of
+from runtime.scheduler.request import Req
+
+
+def fair_share_victims(
+    running: Sequence[Req],
+    waiting: Sequence[Req],
+    num_slots: int,
+    claim_of: Callable[[Req], int],
+    need_of: Callable[[Req], int],
+    available_slots: int,
+) -> list[Req]:
+    """Running requests to retract, latest admitted first, so that the first waiting request
+    (by arrival) of an owner within its share fits: only requests of owners over their share,
+    only as many as make it fit by their claims, and none if even all of them would not.
+    (Arrival, not the schedule policy's order: a random policy's draws stay admission's.)"""
+    owners = {owner_of(r.namespace) for r in (*running, *waiting)}
+    if len(owners) < 2 or not running:
+        return []
+    share_slots = num_slots // len(owners)
+    claims: Counter[Hashable] = Counter()
+    for req in running:
+        claims[owner_of(req.namespace)] += claim_of(req)
+    latest_first = sorted(running, key=lambda r: r.admit_seq, reverse=True)
+    seen: set[Hashable] = set()
+    for req in sorted(waiting, key=lambda r: r.arrival):
+        owner = owner_of(req.namespace)
+        if owner in seen:
+            continue  # an owner's later requests start after its first one
+        seen.add(owner)
+        need = need_of(req)
+        if need <= available_slots or claims[owner] + need > share_slots:
+            continue  # it fits already, or its owner is at its share: it waits its turn
+        missing_slots = need - available_slots
+        victims = _freeing(latest_first, claims, claim_of, share_slots, owner, missing_slots)
+        if victims:
+            return victims
+    return []
+
+
+def _freeing(
+    latest_first: Sequence[Req],
+    claims: Counter[Hashable],
+    claim_of: Callable[[Req], int],
+    share_slots: int,
+    needy_owner: Hashable,
+    missing_slots: int,
+) -> list[Req]:
+    """The fewest latest-admitted requests of over-share owners whose claims cover
+    `missing_slots`, taking none from an owner once it is within its share; [] if they
+    cannot (retracting them would help nobody)."""
+    left = Counter(claims)
+    victims: list[Req] = []
+    freed_slots = 0
+    for req in latest_first:
+        owner = owner_of(req.namespace)
+        if owner == needy_owner or left[owner] <= share_slots:
+            continue
+        claim = claim_of(req)
+        victims.append(req)
+        left[owner] -= claim
+        freed_slots += claim
+        if freed_slots >= missing_slots:
+            return victims
+    return []
