@@ -21,6 +21,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
+from flowlang.serve_options import (
+    add_cluster_options,
+    add_engine_fields,
+    add_listen_options,
+    add_request_limits,
+    engine_settings,
+)
 from runtime.errors import UsageError
 
 if TYPE_CHECKING:
@@ -85,38 +92,13 @@ def add_plugins(commands: Commands) -> None:
 
 
 def add_engine_options(parser: argparse.ArgumentParser, max_kv_tokens: int | None) -> None:
-    """--model, --max-kv-tokens, --dtype: what `serve` and `demo` both set of EngineConfig."""
-    from runtime.config import DTYPES, EngineConfig  # torch-free, like all of `--help`
-
-    parser.add_argument(
-        "--model",
-        default="smollm2-135m-instruct",
-        help="a registry name, a local folder or .gguf file, or a Hugging Face hub id "
-        "(org/name[@revision]); `flowlang models` lists them",
-    )
-    fields = EngineConfig.model_fields
-    share = f"{fields['kv_memory_fraction'].default:.0%}".replace("%", "%%")  # argparse's %
-    memory_default = (
-        f" (default: {share} of available memory, at most "
-        f"{fields['kv_memory_cap_gib'].default:g} GiB)"
-    )
-    parser.add_argument(
-        "--max-kv-tokens",
-        type=int,
-        default=max_kv_tokens,
-        metavar="TOKENS",
-        help="KV pool size in tokens; its GiB are printed at startup, and a CPU pool becomes "
-        "resident only as it fills" + (memory_default if max_kv_tokens is None else ""),
-    )
-    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV dtype")
+    """--model, --max-kv-tokens, --dtype: the EngineConfig fields `demo` sets (`serve` has
+    them all), read off the fields like serve's."""
+    add_engine_fields(parser, ("model", "max_kv_tokens", "dtype"), {"max_kv_tokens": max_kv_tokens})
 
 
 def add_serve(commands: Commands) -> None:
-    """`flowlang serve`: the engine over HTTP."""
-    from runtime.cache.eviction import EVICTION_POLICIES  # torch-free
-    from runtime.cluster.policy import POLICIES as ROUTING_POLICIES
-    from runtime.config import DEVICES, KV_WRITE_POLICIES, SCHEDULE_POLICIES, SPECULATIVE_MODES
-
+    """`flowlang serve`: the engine over HTTP; its options are in flowlang/serve_options.py."""
     serve = commands.add_parser(
         "serve",
         help="serve the engine over HTTP (SGLang and OpenAI APIs)",
@@ -125,175 +107,11 @@ def add_serve(commands: Commands) -> None:
         "/dashboard. The port is bound before the model loads.",
         formatter_class=HelpFormatter,
     )
-    add_engine_options(serve, max_kv_tokens=None)
-    serve.add_argument(
-        "--device",
-        default="cpu",
-        metavar="{" + ",".join(DEVICES) + "}",
-        help="where the engine runs (one GPU per engine)",
-    )
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument(
-        "--port", type=_port, default=30000, help="TCP port to listen on (0: any free one)"
-    )
-    serve.add_argument(
-        "--api-key",
-        action="append",
-        default=[],
-        metavar="KEY",
-        help="require this Bearer key (repeat for several tenants; visible in ps: prefer "
-        "--api-key-file or FLOWLANG_API_KEYS) (default: no key, anyone may call)",
-    )
-    serve.add_argument(
-        "--api-key-file",
-        metavar="PATH",
-        help="a file with one API key per line (default: none; keys also come from "
-        "FLOWLANG_API_KEYS, comma-separated)",
-    )
-    serve.add_argument(
-        "--admin-key-file",
-        metavar="PATH",
-        help="a file with one admin key per line; admin keys may also flush the cache "
-        "(default: none; also FLOWLANG_ADMIN_KEYS)",
-    )
-    serve.add_argument(
-        "--schedule-policy",
-        default="fcfs",
-        choices=SCHEDULE_POLICIES,
-        help="the order in which waiting requests are admitted",
-    )
-    serve.add_argument(
-        "--eviction-policy",
-        default="lru",
-        choices=tuple(EVICTION_POLICIES),
-        help="which cached prefixes go first when the KV pool is full",
-    )
-    serve.add_argument(
-        "--host-kv-gb",
-        type=float,
-        default=0.0,
-        metavar="GIB",
-        help="host memory that KV evicted from the pool moves to, and is loaded back from "
-        "instead of computed (L2; default: none)",
-    )
-    serve.add_argument(
-        "--disk-kv-dir",
-        default=None,
-        metavar="DIR",
-        help="a directory of KV chunks below host memory (L3): a restart, or a replica "
-        "sharing it, reads what is there (default: none)",
-    )
-    serve.add_argument(
-        "--disk-kv-gb",
-        type=_positive(float),
-        default=16.0,
-        metavar="GIB",
-        help="most GiB the disk tier takes",
-    )
-    serve.add_argument(
-        "--kv-write-policy",
-        default="write_back",
-        choices=KV_WRITE_POLICIES,
-        help="write_back: KV moves down a tier when evicted; write_through: every computed "
-        "chunk is also copied down at once (to disk too, for replicas sharing it); "
-        "write_through_selective: a cached prefix is copied down at its second cache hit",
-    )
-    serve.add_argument(
-        "--speculative",
-        default="off",
-        choices=SPECULATIVE_MODES,
-        help="tree: decoding requests guess their next tokens from the radix tree, their own "
-        "context and their program's siblings, verified in one pass; off (the default)",
-    )
-    serve.add_argument(
-        "--batch-invariant",
-        action="store_true",
-        help="compute every token the same way whatever shares its batch: greedy output "
-        "reproducible bit for bit in bf16 too (slower at batch 8 and more)",
-    )
-    serve.add_argument(
-        "--spec-max-draft-tokens",
-        type=_positive(int),
-        default=8,
-        metavar="N",
-        help="most tokens one request guesses per step",
-    )
-    serve.add_argument(
-        "--max-body-bytes",
-        type=_positive(int),
-        default=8 << 20,
-        metavar="BYTES",
-        help="largest request body accepted (413 beyond)",
-    )
-    serve.add_argument(
-        "--pin-lease-seconds",
-        type=_positive(float),
-        default=30.0,
-        metavar="SECONDS",
-        help="a pin held over HTTP is released when not renewed within this",
-    )
-    serve.add_argument(
-        "--head-timeout",
-        type=_positive(float),
-        default=10.0,
-        metavar="SECONDS",
-        help="seconds for a request's headers to arrive (408 beyond)",
-    )
-    serve.add_argument(
-        "--request-timeout",
-        type=_positive(float),
-        default=None,
-        metavar="SECONDS",
-        help="abort requests that set no timeout_s after this many seconds (408) "
-        "(default: no limit)",
-    )
-    serve.add_argument(
-        "--drain-timeout",
-        type=_non_negative(float),
-        default=10.0,
-        metavar="SECONDS",
-        help="on SIGTERM or SIGINT: seconds for running requests to finish while new ones get "
-        "503; those still running then get a 503 (or a stream's error frame), and it exits 0",
-    )
-    serve.add_argument(
-        "--replicas",
-        type=_positive(int),
-        default=1,
-        help="engine replicas as Ray actors behind a router (more than 1 needs flowlang[ray])",
-    )
-    serve.add_argument(
-        "--ray-address",
-        default=None,
-        metavar="ADDRESS",
-        help="join this Ray cluster (default: RAY_ADDRESS, else a local Ray)",
-    )
-    serve.add_argument(
-        "--gpus-per-replica",
-        type=_positive(float),
-        default=1.0,
-        metavar="GPUS",
-        help="GPUs per replica with --device cuda (0.5: two replicas share one GPU)",
-    )
-    serve.add_argument(
-        "--routing-policy",
-        default="cache_aware",
-        choices=ROUTING_POLICIES,
-        help="how the router picks a replica for each request (with --replicas)",
-    )
-    serve.add_argument(
-        "--tool-call-parser",
-        default=None,
-        metavar="FORMAT",
-        help="how the model writes tool calls: hermes (Qwen, and templates that know no "
-        "tools), llama3 or mistral (default: read off the chat template)",
-    )
-    serve.add_argument(
-        "--reasoning-parser",
-        default=None,
-        metavar="FORMAT",
-        help="how the model writes its reasoning: think (<think>...</think>), deepseek-r1 "
-        "(the prompt opens the block) or none (default: read off the chat template)",
-    )
+    add_engine_fields(serve.add_argument_group("engine (EngineConfig, runtime/config.py)"))
+    server = serve.add_argument_group("server")
+    add_listen_options(server)
+    add_request_limits(server)
+    add_cluster_options(serve.add_argument_group("replicas (Ray)"))
     serve.set_defaults(handler=run_serve)
 
 
@@ -301,23 +119,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Serve until interrupted: settings checked and the port bound before the model loads."""
     from runtime.server.listen import bind_socket  # torch-free: a busy port fails in a second
 
-    config = engine_config(
-        model=args.model,
-        max_kv_tokens=args.max_kv_tokens,
-        dtype=args.dtype,
-        device=args.device,
-        schedule_policy=args.schedule_policy,
-        eviction_policy=args.eviction_policy,
-        host_kv_gb=args.host_kv_gb,
-        disk_kv_dir=args.disk_kv_dir,
-        disk_kv_gb=args.disk_kv_gb,
-        kv_write_policy=args.kv_write_policy,
-        speculative=args.speculative,
-        batch_invariant=args.batch_invariant,
-        spec_max_draft_tokens=args.spec_max_draft_tokens,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-    )
+    config = engine_config(**engine_settings(args))
     api_keys = (*args.api_key, *read_keys(args.api_key_file, "FLOWLANG_API_KEYS"))
     admin_keys = read_keys(args.admin_key_file, "FLOWLANG_ADMIN_KEYS")
     sock = bind_socket(args.host, args.port)
@@ -396,40 +198,6 @@ def read_keys(path: str | None, env_var: str) -> tuple[str, ...]:
             why = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
             raise UsageError(f"cannot read the key file {path!r}: {why}") from err
     return tuple(k for k in keys if k)
-
-
-def _port(text: str) -> int:
-    """An argparse type: a TCP port number, 0 to 65535."""
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port number (0 to 65535)")
-    return port
-
-
-def _positive(kind: type) -> Any:
-    """An argparse type: a number of `kind` above zero."""
-
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text} is not above zero")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
-    return parse
-
-
-def _non_negative(kind: type) -> Any:
-    """An argparse type: a number of `kind`, zero or more."""
-
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if not value >= 0:
-            raise argparse.ArgumentTypeError(f"{text} is below zero")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
 
 
 if __name__ == "__main__":

@@ -9,10 +9,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
-from flowlang.backends.base import PinLease
 from flowlang.content import Content, Renderer
 from flowlang.context import RunContext
 from flowlang.errors import (
@@ -23,7 +21,9 @@ from flowlang.errors import (
     UnknownVariableError,
 )
 from flowlang.feed import TextFeed
+from flowlang.forks import ForkRecord
 from flowlang.ir import Fork, Gen, Join, Node, RoleBegin, RoleEnd, Select, Text
+from flowlang.rendezvous import END, Rendezvous
 from flowlang.results import appended_ids, gen_meta, output_format, read_output
 from flowlang.selection import score_choices
 from runtime.protocol import GenerateRequest, GraphHints, SamplingParams
@@ -31,33 +31,6 @@ from runtime.protocol import GenerateRequest, GraphHints, SamplingParams
 _END = object()
 _REQUEST_NODES = (Gen, Select, Fork)  # nodes that send the engine a request on this sequence
 ROLE_MARKER_TOKENS = 4  # a chat template's role header or end, about (future_tokens)
-
-
-@dataclass
-class _ForkRecord:
-    branches: list[StreamExecutor]
-    upstream: _ForkRecord | None  # the fork whose branch forked this one
-    pin: PinLease | None = None
-    text_len: int = 0  # the parent's content when it forked: where branches' own parts start
-    ids_len: int = 0
-    # the shared prefix, pinned when a branch first sends a request: a fork whose branches only
-    # append text before the join would pin KV that nothing reads before the join's prompt
-    prefix: tuple[list[int], GraphHints] | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def ensure_pinned(self, ctx: RunContext) -> None:
-        """Prefill the shared prefix once (outer forks' first) and lock it until the join."""
-        with self.lock:
-            if self.prefix is None:
-                return
-            if self.upstream is not None:
-                self.upstream.ensure_pinned(ctx)
-            ids, hints = self.prefix
-            self.prefix = None
-            # an engine without a prefix cache answers at once, computing and holding nothing
-            self.pin = ctx.backend.pin(ids, ctx.namespace, hints)
-            with ctx.lock:
-                ctx.pins.append(self.pin)  # released at join, or when the run ends
 
 
 class StreamExecutor:
@@ -68,7 +41,7 @@ class StreamExecutor:
         ctx: RunContext,
         branch_id: str = "0",
         fork_group: tuple[str, int] | None = None,
-        upstream: _ForkRecord | None = None,
+        upstream: ForkRecord | None = None,
     ) -> None:
         self.ctx = ctx
         self.program_id = ctx.program_id
@@ -77,22 +50,14 @@ class StreamExecutor:
         self.upstream = upstream  # the fork this state is a branch of (its prefix's pin)
         self.renderer = Renderer(ctx.backend)
         self.content = Content()
-        self.variables: dict[str, Any] = {}
-        self.metadata: dict[str, dict[str, Any]] = {}
+        # where reads wait for the worker's definitions (and a gen's deltas are streamed)
+        self.rendezvous = Rendezvous()
+        self.variables = self.rendezvous.values
+        self.metadata = self.rendezvous.metadata
         self.declared: set[str] = set()
-        self.streams: dict[str, queue.Queue] = {}  # per gen: its text deltas (see _event)
         self.feed = TextFeed()  # everything appended, for `s.text_iter()`
-        self.forks: dict[str, _ForkRecord] = {}
+        self.forks: dict[str, ForkRecord] = {}
         self.error: BaseException | None = None
-        # one Event per variable, made under a lock: the reader and the worker may ask for
-        # the same name at once, and two Events for one name would strand the reader
-        self._events: dict[str, threading.Event] = {}
-        self._events_lock = threading.Lock()
-        self._woken = False  # after wake_all, new Events start set and new streams ended
-        # a name may be defined again (an agent's gen("step") each round): a read waits for
-        # the last definition submitted, so the counts are kept beside the Events
-        self._num_defining: dict[str, int] = {}  # submitted definitions per name
-        self._num_defined: dict[str, int] = {}  # of those, run
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0
         self._num_queued_requests = 0  # gen/select/fork nodes submitted and not yet run
@@ -119,15 +84,15 @@ class StreamExecutor:
         """Queue a node for the worker; returns at once."""
         if isinstance(node, Gen | Select) and node.name is not None:
             self.declared.add(node.name)
-            self._will_define(node.name)
+            self.rendezvous.promise(node.name)
             if isinstance(node, Gen) and node.reasoning_var is not None:
                 self.declared.add(node.reasoning_var)
-                self._will_define(node.reasoning_var)
+                self.rendezvous.promise(node.reasoning_var)
         elif isinstance(node, Join):  # its gathered variables can be read right after the join
             gathered = set().union(*(b.declared for b in self.forks[node.fork_id].branches))
             self.declared |= gathered
             for name in gathered:
-                self._will_define(name)
+                self.rendezvous.promise(name)
         with self._idle:
             self._pending += 1
             self._num_queued_requests += isinstance(node, _REQUEST_NODES)
@@ -136,7 +101,7 @@ class StreamExecutor:
     def fork(self, num_branches: int) -> tuple[str, list[StreamExecutor]]:
         """Queue a fork; its branches start from this state's content when the worker gets there."""
         fork_id = self.ctx.next_fork_id()
-        record = _ForkRecord([], self.upstream)
+        record = ForkRecord([], self.upstream)
         record.branches = [
             StreamExecutor(self.ctx, f"{self.branch_id}.{i}", (fork_id, num_branches), record)
             for i in range(num_branches)
@@ -152,48 +117,13 @@ class StreamExecutor:
             raise UnknownVariableError(
                 f"no gen/select defines {name!r} in this state; defined: {known}"
             )
-        self._event(name).wait()
-        with self._events_lock:
-            pending = self._num_defined.get(name, 0) < self._num_defining.get(name, 0)
-        if name not in self.variables or pending:  # woken by a failure, not by its value
-            cause = self.error or self.ctx.error
-            if isinstance(cause, FlowlangError):
-                raise cause
-            raise ExecutionError(f"{name!r} was not produced: {cause!r}") from cause
-        return self.variables[name]
-
-    def _stream(self, name: str) -> queue.Queue:
-        with self._events_lock:
-            if name not in self.streams:
-                self.streams[name] = queue.Queue()
-                if self._woken:  # the run failed: nothing will stream here
-                    self.streams[name].put(_END)
-            return self.streams[name]
-
-    def _event(self, name: str) -> threading.Event:
-        with self._events_lock:
-            return self._event_locked(name)
-
-    def _event_locked(self, name: str) -> threading.Event:
-        event = self._events.get(name)
-        if event is None:
-            event = self._events[name] = threading.Event()
-            if self._woken:
-                event.set()
-        return event
+        return self.rendezvous.wait(name)
 
     def set(self, name: str, value: Any, meta: dict[str, Any] | None = None) -> None:
         """Define variable `name` now (readers waiting for it get `value`)."""
         self.declared.add(name)
-        self._will_define(name)
+        self.rendezvous.promise(name)
         self._define(name, value, meta or {})
-
-    def _will_define(self, name: str) -> None:
-        """A definition of `name` is coming: reads wait for it (and not an earlier value)."""
-        with self._events_lock:
-            self._num_defining[name] = self._num_defining.get(name, 0) + 1
-            if not self._woken:
-                self._event_locked(name).clear()
 
     def meta(self, name: str) -> dict[str, Any]:
         """What the node that defined `name` reported, once it ran."""
@@ -208,10 +138,10 @@ class StreamExecutor:
             return
         if name not in self.declared:
             self.get(name)  # raises the clear unknown-variable error
-        deltas = self._stream(name)
-        while (delta := deltas.get()) is not _END:
+        deltas = self.rendezvous.deltas(name)
+        while (delta := deltas.get()) is not END:
             yield delta
-        deltas.put(_END)  # a later iteration ends too
+        deltas.put(END)  # a later iteration ends too
 
     def settle(self, reading: str) -> tuple[Content, dict[str, Any]]:
         """Content and variables once every submitted node ran (`reading` is for tracing)."""
@@ -236,15 +166,7 @@ class StreamExecutor:
     def wake_all(self) -> None:
         """Unblock readers and let the queue drain (after a failure in the run)."""
         self._started.set()
-        with self._events_lock:
-            self._woken = True
-            events = list(self._events.values())
-        for event in events:
-            event.set()
-        with self._events_lock:
-            streams = list(self.streams.values())
-        for deltas in streams:
-            deltas.put(_END)
+        self.rendezvous.fail(self.error or self.ctx.error)
 
     # ------------------------------------------------------------------ worker side
     def _run(self) -> None:
@@ -348,14 +270,14 @@ class StreamExecutor:
             namespace=self.ctx.namespace,
         )
         handle = self.ctx.backend.generate(request)
-        stream = self._stream(node.name) if node.name is not None else queue.Queue()
+        stream = self.rendezvous.deltas(node.name) if node.name is not None else queue.Queue()
         streamed = ""
         for delta in handle:
             stream.put(delta)
             self.feed.put(delta)
             streamed += delta
         result = handle.result()
-        stream.put(_END)
+        stream.put(END)
         if result.finish_reason == "error":
             raise ExecutionError(f"gen({node.name!r}) failed: {result.error}")
         if result.text.startswith(streamed):  # the deltas fed so far, and what they held back
@@ -421,9 +343,4 @@ class StreamExecutor:
     def _define(self, name: str | None, value: Any, meta: dict[str, Any]) -> None:
         if name is None:  # an anonymous gen/select: its text is appended, nothing is kept
             return
-        with self._events_lock:
-            self.variables[name] = value
-            self.metadata[name] = meta
-            self._num_defined[name] = self._num_defined.get(name, 0) + 1
-            if self._num_defined[name] >= self._num_defining.get(name, 0):
-                self._event_locked(name).set()
+        self.rendezvous.publish(name, value, meta)

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jinja2
 
 from flowlang.errors import ProgramError
+from flowlang.gen_args import (
+    constraint_of,
+    given_constraint,
+    offered_tools,
+    sampling_params,
+    thinking_args,
+)
 from flowlang.ir import (
-    TOOL_CHOICES,
     Gen,
     Node,
     RoleBegin,
@@ -24,7 +28,7 @@ from flowlang.ir import (
 )
 from flowlang.selection import METHODS, ChoicesMethod, method_name
 from flowlang.tools import Call, Tool, as_tools, result_text
-from runtime.protocol import Constraint, SamplingParams, ToolCall
+from runtime.protocol import ToolCall
 
 INT_REGEX = r"-?(0|[1-9][0-9]{0,17})"
 FLOAT_REGEX = r"-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,8})?"
@@ -66,40 +70,11 @@ def gen(
     _check_name(name)
     if next_turn_after_s is not None and not next_turn_after_s >= 0:
         raise ProgramError(f"gen({name!r}): next_turn_after_s must be >= 0 seconds")
-    reasoning = _check_reasoning(name, reasoning)
-    if max_reasoning_tokens is not None:
-        if not reasoning:
-            raise ProgramError(f"gen({name!r}): max_reasoning_tokens needs reasoning=True")
-        if not isinstance(max_reasoning_tokens, int) or max_reasoning_tokens < 1:
-            raise ProgramError(f"gen({name!r}): max_reasoning_tokens must be a positive int")
-    thinking = {"reasoning": reasoning, "max_reasoning_tokens": max_reasoning_tokens}
-    try:
-        params = SamplingParams(**sampling)
-    except ValueError as err:
-        raise ProgramError(f"gen({name!r}): {err}") from err
-    given = {
-        k: v
-        for k, v in (
-            ("regex", regex),
-            ("schema", schema),
-            ("choices", choices),
-            ("grammar", grammar),
-        )
-        if v is not None
-    }
-    if len(given) > 1:
-        raise ProgramError(f"gen({name!r}) takes one constraint, got {sorted(given)}")
+    thinking = thinking_args(name, reasoning, max_reasoning_tokens)
+    params = sampling_params(name, sampling)
+    given = given_constraint(name, regex=regex, schema=schema, choices=choices, grammar=grammar)
     if tools is not None:
-        if given:
-            raise ProgramError(
-                f"gen({name!r}): tools= constrains the output to text or calls; it cannot be "
-                f"combined with {next(iter(given))}= (give the answer's format as a tool, a "
-                f"pydantic model class, instead)"
-            )
-        offered = as_tools(tools, f"gen({name!r})")
-        if not offered:
-            raise ProgramError(f"gen({name!r}): tools= is empty; leave it out for plain text")
-        choice = _check_tool_choice(name, tool_choice, offered)
+        offered, choice = offered_tools(name, tools, tool_choice, given)
         return Gen(
             name,
             params,
@@ -113,22 +88,7 @@ def gen(
         raise ProgramError(f"gen({name!r}): tool_choice={tool_choice!r} needs tools=[...]")
     if not given:
         return Gen(name, params, next_turn_after_s=next_turn_after_s, **thinking)
-    kind, value = next(iter(given.items()))
-    parse, label = None, ""
-    if kind == "regex":
-        try:
-            re.compile(value)
-        except re.error as err:
-            raise ProgramError(f"gen({name!r}): invalid regex {value!r}: {err}") from err
-        constraint = Constraint(regex=value)
-    elif kind == "schema":
-        constraint, parse, label = _schema_constraint(name, value)
-    elif kind == "choices":
-        if not value or any(not isinstance(c, str) or not c for c in value):
-            raise ProgramError(f"gen({name!r}) choices must be non-empty strings")
-        constraint = Constraint(choices=list(value))
-    else:
-        constraint = Constraint(grammar=value)
+    constraint, parse, label = constraint_of(name, *next(iter(given.items())))
     return Gen(name, params, constraint, parse, label, next_turn_after_s, **thinking)
 
 
@@ -142,54 +102,6 @@ def gen_float(name: str | None = None, **sampling: Any) -> Gen:
     """Generate a decimal number; s[name] is a float."""
     node = gen(name, regex=FLOAT_REGEX, **sampling)
     return dataclasses.replace(node, parse=float, parse_label="float")
-
-
-def _check_tool_choice(name: str | None, choice: Any, tools: tuple[Tool, ...]) -> str:
-    """The tool choice as a string: one of TOOL_CHOICES or an offered tool's name."""
-    if isinstance(choice, Tool):
-        choice = choice.name
-    names = [t.name for t in tools]
-    if not isinstance(choice, str) or (choice not in TOOL_CHOICES and choice not in names):
-        raise ProgramError(
-            f"gen({name!r}): tool_choice must be one of {list(TOOL_CHOICES)} or an offered "
-            f"tool's name {names}, got {choice!r}"
-        )
-    return choice
-
-
-def _check_reasoning(name: str | None, reasoning: Any) -> bool | str:
-    """`reasoning` checked: a bool, or a known reasoning format's name."""
-    if isinstance(reasoning, bool):
-        return reasoning
-    if not isinstance(reasoning, str):
-        raise ProgramError(
-            f"gen({name!r}): reasoning must be True/False or a format's name, got {reasoning!r}"
-        )
-    from runtime.constrain.reasoning import UnknownReasoningFormat, reasoning_format
-
-    try:
-        return reasoning_format(reasoning).name
-    except UnknownReasoningFormat as err:
-        raise ProgramError(f"gen({name!r}): {err}") from err
-
-
-def _schema_constraint(name: str, schema: Any):
-    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
-        return (
-            Constraint(json_schema=schema.model_json_schema()),
-            schema.model_validate_json,
-            schema.__name__,
-        )
-    if isinstance(schema, dict):
-        try:
-            json.dumps(schema)
-        except (TypeError, ValueError) as err:
-            raise ProgramError(f"gen({name!r}): the JSON schema is not JSON: {err}") from err
-        return Constraint(json_schema=schema), json.loads, "JSON"
-    raise ProgramError(
-        f"gen({name!r}): schema must be a pydantic model class or a JSON-schema "
-        f"dict, got {type(schema).__name__}"
-    )
 
 
 def select(

@@ -6,14 +6,12 @@ import asyncio
 import functools
 import inspect
 import threading
-import traceback
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 from flowlang.backends import get_default_backend
 from flowlang.backends.base import Backend
-from flowlang.batch import SharedPrefixPins
+from flowlang.batch import BatchRun, batch_instance
 from flowlang.context import RunContext, body_ended, body_of, current_run
 from flowlang.errors import InstanceError, ProgramError
 from flowlang.executor import StreamExecutor
@@ -160,49 +158,25 @@ class Program:
         prefixes of the whole batch are pinned (each prefilled once); a pin is released when
         the last instance that reads it finishes. A failing instance yields an InstanceError
         (with its traceback) in its place; the others run to completion. `sampling` is each
-        run's (see `run`). A backend that places batches itself (ClusterBackend: instances
-        sharing the deepest prefixes on the same replica) runs it its way."""
+        run's (see `run`). The backend places the compiled instances (`Backend.plan_batch`;
+        ClusterBackend: instances sharing the deepest prefixes on the same replica), and each
+        group's shared prefixes are pinned where it runs."""
         outer = current_run()
         backend = backend or (outer.backend if outer is not None else get_default_backend())
-        options = {
-            "max_workers": max_workers,
-            "progress": progress,
-            "namespace": namespace,
-            "min_shared_tokens": min_shared_tokens,
-            "sampling": sampling,
-        }
-        placed = backend.place_batch(self, batch, options)
-        if placed is not None:
-            return placed
-        graphs = [self.compile(backend=backend, **dict(args)) for args in batch]
-        pins = SharedPrefixPins(
-            backend, [g.first_prompt() for g in graphs], namespace, min_shared_tokens
-        )
-        results: list[ProgramState | InstanceError | None] = [None] * len(batch)
+        instances = [batch_instance(self.compile(backend=backend, **dict(a))) for a in batch]
+        plan = backend.plan_batch(instances, namespace)
+
+        def run_one(args: Mapping[str, Any], on: Backend) -> ProgramState:
+            return self.run(backend=on, namespace=namespace, sampling=sampling, **args)
+
         bar = _progress_bar(len(batch), self.name) if progress else None
         try:
-            with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(batch)))) as pool:
-                pins.acquire(pool)
-                futures = {
-                    pool.submit(
-                        self.run, backend=backend, namespace=namespace, sampling=sampling, **args
-                    ): i
-                    for i, args in enumerate(batch)
-                }
-                for future in as_completed(futures):
-                    index = futures[future]
-                    try:
-                        results[index] = future.result()
-                    except Exception as err:  # noqa: BLE001 - reported per instance
-                        results[index] = InstanceError(index, err, traceback.format_exc())
-                    pins.finished(index)
-                    if bar is not None:
-                        bar.update(1)
+            return BatchRun(
+                batch, instances, run_one, namespace, min_shared_tokens, max_workers, bar
+            ).execute(plan)
         finally:
-            pins.release_all()
             if bar is not None:
                 bar.close()
-        return results
 
     def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
         return self.run(*args, **kwargs)

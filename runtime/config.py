@@ -29,16 +29,23 @@ class EngineConfig(BaseModel):
 
     model: str = Field(
         "smollm2-135m-instruct",
-        description="registry name, local path, or Hugging Face hub id (org/name[@revision])",
+        description="a registry name, a local folder or .gguf file, or a Hugging Face hub id "
+        "(org/name[@revision]); `flowlang models` lists them",
     )
-    dtype: str = "float32"
-    device: str = Field("cpu", description="cpu, or cuda[:index] (one GPU per engine)")
-    page_size: int = Field(1, ge=1, le=256)
+    dtype: str = Field("float32", description="weights and KV dtype")
+    device: str = Field(
+        "cpu", description="where the engine runs: cpu, or cuda[:index] (one GPU per engine)"
+    )
+    page_size: int = Field(
+        1, ge=1, le=256, description="tokens per KV page: cached prefixes match in whole pages"
+    )
     max_kv_tokens: int | None = Field(
         None,
         ge=16,
-        description="KV pool size in tokens; default: kv_memory_fraction of available memory, "
-        "at most kv_memory_cap_gib",
+        # unset: kv_memory_fraction of available memory, at most kv_memory_cap_gib
+        # (num_kv_slots); `flowlang serve --help` adds that in numbers
+        description="KV pool size in tokens; its GiB are printed at startup, and a CPU pool "
+        "becomes resident only as it fills",
     )
     kv_memory_fraction: float = Field(
         0.3, gt=0, le=0.9, description="share of available RAM for the pool when not sized"
@@ -57,7 +64,7 @@ class EngineConfig(BaseModel):
     disk_kv_dir: str | None = Field(
         None,
         description="L3: a directory of KV chunk files below host memory (or the pool); a "
-        "restart, or another engine of the same model, reads what is there",
+        "restart, or another engine of the same model, reads what is there (default: none)",
     )
     disk_kv_gb: float = Field(16.0, gt=0, description="L3: most GiB the disk tier takes")
     kv_write_policy: str = Field(
@@ -66,21 +73,33 @@ class EngineConfig(BaseModel):
         "computed chunk is also copied down at once (to disk too: for engines sharing it); "
         "write_through_selective: a cached prefix is copied down at its second cache hit",
     )
-    schedule_policy: str = "fcfs"
-    eviction_policy: str = "lru"
-    disable_radix_cache: bool = False
+    schedule_policy: str = Field(
+        "fcfs", description="the order in which waiting requests are admitted"
+    )
+    eviction_policy: str = Field(
+        "lru", description="which cached prefixes go first when the KV pool is full"
+    )
+    disable_radix_cache: bool = Field(
+        False, description="cache no prefixes: every request computes its whole prompt"
+    )
     chunked_prefill_tokens: int = Field(
         1024, ge=16, description="prefill tokens per step (decodes are always added)"
     )
-    max_running_requests: int = Field(256, ge=1)
+    max_running_requests: int = Field(
+        256, ge=1, description="most requests running at once; later ones wait their turn"
+    )
     admission_patience: int = Field(
         256,
         ge=0,
         description="how many later requests may be admitted past a waiting request: one "
-        "held back so that its admission does not evict KV other requests read soon (graph "
+        "deferred so that its admission does not evict KV other requests read soon (graph "
         "eviction), or one that does not fit yet, by other owners' requests that do",
     )
-    attention_backend: str = "auto"
+    attention_backend: str = Field(
+        "auto",
+        description="auto (flashinfer on CUDA when it is installed, else torch; the native "
+        "kernel on CPU), torch, cpu or flashinfer",
+    )
     disable_cuda_graph: bool = Field(
         False, description="run decodes eagerly on CUDA (graphs need the flashinfer backend)"
     )
@@ -140,18 +159,18 @@ class EngineConfig(BaseModel):
     )
     tool_call_parser: str | None = Field(
         None,
-        description="how the model writes tool calls: hermes (Qwen), llama3 or mistral; "
-        "default: read off the chat template (hermes when it knows no tools)",
+        description="how the model writes tool calls: hermes (Qwen, and templates that know "
+        "no tools), llama3 or mistral (default: read off the chat template)",
     )
     reasoning_parser: str | None = Field(
         None,
         description="how the model writes its reasoning: think (<think>...</think>), "
-        "deepseek-r1 (the prompt opens the block), or none; default: read off the template",
+        "deepseek-r1 (the prompt opens the block) or none (default: read off the chat template)",
     )
     adapt_cpu_threads: bool = Field(
         True,
         description="on CPU, run as many threads as other processes leave cores free "
-        "(runtime/cpu_share.py); False keeps torch's thread count",
+        "(runtime/cpu_share.py); off: torch's thread count",
     )
 
     @field_validator(

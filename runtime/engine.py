@@ -16,138 +16,66 @@ import atexit
 import io
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
-import torch
-
-from runtime.cache.chunks import TierLayout
+from runtime.cache.chunks import TierView
 from runtime.cache.events import KVEventPublisher, KVEventSubscription
-from runtime.cache.tiers import KVTiers
 from runtime.cache.view import CacheView, build_cache_view
 from runtime.config import EngineConfig
-from runtime.constrain.formats import model_reasoning_format, model_tool_format
-from runtime.cpu_share import CpuShare
-from runtime.errors import EngineClosedError, InvalidRequestError, error_for_kind
+from runtime.engine_api import EngineCommon
+from runtime.engine_build import load_model, loop_cpu_share, make_tiers
+from runtime.errors import EngineClosedError, InvalidRequestError
 from runtime.handles import PinHandle, RequestHandle
+from runtime.in_flight import InFlight, unheld_pin
 from runtime.intake import RequestIntake
 from runtime.loop import EngineLoop, log_failure
 from runtime.model.arch import ModelArch
-from runtime.model.loader import checkpoint_digest, load_checkpoint, load_tokenizer
-from runtime.model.native.kernels import release_openmp_workers
-from runtime.model.native.kernels import start_building as start_building_kernels
-from runtime.model.registry import check_model_name, resolve_model
-from runtime.model.runner import ModelRunner
-from runtime.protocol import (
-    GenerateRequest,
-    GenerateResult,
-    GraphHints,
-    PinInfo,
-    ScoreRequest,
-    ScoreResult,
-)
-from runtime.results import error_result, result_of, stream_chunk_of
-from runtime.scheduler.request import Req
-from runtime.scheduler.scheduler import ScheduledBatch, Scheduler
-from runtime.scoring import ContinuationScorer
+from runtime.protocol import GenerateRequest, GraphHints, ScoreRequest, ScoreResult
+from runtime.scheduler.entries import ScheduledBatch, batch_of
+from runtime.scheduler.scheduler import Scheduler
+from runtime.scoring import Cancellation, ContinuationScorer
 from runtime.summary import EngineSummary
 from runtime.verify import apply_logits
 
+T = TypeVar("T")
 
-class Engine:
-    """The flowlang LLM engine (in-process)."""
+
+class Engine(EngineCommon):
+    """The flowlang LLM engine (in-process); implements runtime.engine_api.EngineAPI."""
+
+    config: EngineConfig
+    arch: ModelArch
+    tokenizer: Any  # None: random weights
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         base = config or EngineConfig()
         self.config = EngineConfig(**{**base.model_dump(), **overrides}) if overrides else base
-        self._init_model()
-        self._init_scheduler()
-        self._init_loop()
-
-    def _init_model(self) -> None:
-        """Weights, architecture, tokenizer, and the runner with its KV pool."""
-        config = self.config
-        if not config.model.startswith("random:"):
-            check_model_name(config.model)  # a typo fails here, before any kernel build
-        if config.device == "cpu":
-            start_building_kernels()  # compiles (first run only) while the model loads
-        if config.model.startswith("random:"):
-            from runtime.model.random_weights import random_checkpoint
-
-            checkpoint = random_checkpoint(
-                config.model, getattr(torch, config.dtype), config.device, config.seed
-            )
-            self.tokenizer = None
-            self.model_path: str | None = None  # random weights
-        else:
-            path = resolve_model(config.model)
-            checkpoint = load_checkpoint(path)
-            self.tokenizer = _maybe_tokenizer(path)
-            self.model_path = str(path)
-        self.arch = ModelArch.from_hf(checkpoint.hf_config)
-        num_slots = config.num_kv_slots(self.arch.kv_bytes_per_token(config.dtype))
-        self.runner = ModelRunner(self.arch, checkpoint.weights, num_slots, config)
-
-    def _init_scheduler(self) -> None:
-        """The scheduler over the pool's slots, request intake and the continuation scorer."""
+        model = load_model(self.config)
+        self.arch, self.runner, self.tokenizer = model.arch, model.runner, model.tokenizer
+        self.model_path = model.path
+        self.tiers = make_tiers(self.config, self.runner.pool, self.model_path)
         num_slots = self.runner.pool.num_slots
-        self.tiers = self._make_tiers()
         self.scheduler = Scheduler(self.config, num_slots, self.tiers)
         self.intake = RequestIntake(self.config, self.arch, self.tokenizer, num_slots)
+        self._closed = False
+        flight = InFlight(self.intake, self.scheduler, self._run_in_loop, lambda: self._closed)
+        self._in_flight = flight
         self.scorer = ContinuationScorer(
             self.intake,
-            self._pin_ids,
-            self._release_pin,
-            self._run_to_end,
+            flight.pin_ids,
+            flight.abort,
+            flight.run_to_end,
             share_prefixes=self.caches_prefixes,
         )
-        self._rids: set[str] = set()  # in flight: a request id names one request (abort)
-        self._rids_lock = threading.Lock()
-
-    def _make_tiers(self) -> KVTiers | None:
-        """L2 (host memory) and L3 (disk) under the pool, when configured."""
-        config, pool = self.config, self.runner.pool
-        if config.disable_radix_cache or not (config.host_kv_gb or config.disk_kv_dir):
-            return None
-        layout = TierLayout(
-            model=self._weights_identity(),
-            num_layers=pool.num_layers,
-            num_kv_heads=pool.k[0].shape[1],
-            head_dim=pool.k[0].shape[2],
-            dtype=pool.dtype,
-            page_size=config.page_size,
-        )
-        return KVTiers(
-            pool,
-            layout,
-            host_bytes=int(config.host_kv_gb * 2**30),
-            disk_dir=config.disk_kv_dir,
-            disk_bytes=int(config.disk_kv_gb * 2**30),
-            write_policy=config.kv_write_policy,
-        )
-
-    def _weights_identity(self) -> str:
-        """What names these weights for the disk tier: the model as given, plus a digest of
-        its weights' bytes and its config (random weights: their seed)."""
-        if self.model_path is None:
-            return f"{self.config.model}|seed={self.config.seed}"
-        return f"{self.config.model}|{checkpoint_digest(self.model_path)}"
-
-    def _init_loop(self) -> None:
-        """The loop thread that owns scheduler, tree and pool."""
-        self._closed = False
-        self._kv_events: KVEventPublisher | None = None  # made by the first subscriber
-        cpu = self.runner.device.type == "cpu"
-        if cpu:
-            # this thread's OpenMP workers (from building the model) would throttle the loop
-            # thread's: every parallel region of a step would pay a futex wake-up
-            release_openmp_workers()
-        adapt = cpu and self.config.adapt_cpu_threads
-        self.cpu_share = CpuShare.for_this_process() if adapt else None
+        # KV events: the tree's publisher listens from the start (costs nothing until someone
+        # subscribes); the tiers below the pool publish through it too
+        self._kv_events: KVEventPublisher = self.scheduler.kv.kv_events
+        self.tiers.event_sink = self._kv_events.emit
+        self.cpu_share = loop_cpu_share(self.config, self.runner)
         self._jump_forward = self.config.enable_jump_forward
+        # the loop thread owns scheduler, tree and pool from here on
         self._loop = EngineLoop(self.step, self.scheduler.has_work, self.scheduler.fail_running)
         _LIVE_ENGINES.add(self)
 
@@ -175,7 +103,7 @@ class Engine:
     def _run_one_by_one(self, batch: ScheduledBatch) -> None:
         """After a failed forward: each request's part alone; those that fail again fail."""
         for entry in batch.entries:
-            single = self.scheduler.batch_of([entry])
+            single = batch_of([entry])
             try:
                 logits = None if single.forward is None else self.runner.forward(single.forward)
             except Exception as err:  # noqa: BLE001 - this request's own failure
@@ -206,16 +134,7 @@ class Engine:
         """Queue a request; returns at once. Invalid requests raise InvalidRequestError.
         With `loop`, the handle streams to `astream()` on that event loop."""
         self._check_open()
-        req = self.intake.generate_req(request)
-        with self._rids_lock:
-            if request.rid in self._rids:
-                raise InvalidRequestError(f"request id {request.rid!r} is already in flight")
-            self._rids.add(request.rid)
-        handle = RequestHandle(request.rid, self.abort, loop)
-        req.on_delta = lambda r: handle.push_chunk(stream_chunk_of(r))
-        req.on_finish = lambda r: self._finished(handle, r)
-        self._run_in_loop(lambda: self.scheduler.add(req))
-        return handle
+        return self._in_flight.submit(request, loop)
 
     def submit_many(self, requests: Sequence[GenerateRequest]) -> list[RequestHandle]:
         """Queue requests that arrive together: no step runs between two of them, so the
@@ -227,34 +146,6 @@ class Engine:
         finally:
             gate.set()
 
-    def generate(
-        self, requests: GenerateRequest | Sequence[GenerateRequest]
-    ) -> list[GenerateResult]:
-        """Run requests to completion. An invalid one yields a result with finish_reason
-        "error" and its message in `error`; the others run normally."""
-        if isinstance(requests, GenerateRequest):
-            requests = [requests]
-        handles: list[RequestHandle | GenerateResult] = []
-        for request in requests:
-            try:
-                handles.append(self.submit(request))
-            except InvalidRequestError as err:
-                handles.append(error_result(request.rid, str(err)))
-        return [h if isinstance(h, GenerateResult) else h.result() for h in handles]
-
-    def score(self, requests: ScoreRequest | Sequence[ScoreRequest]) -> list[ScoreResult]:
-        """Per-token logprobs of each continuation after its prefix (prefix computed once)."""
-        if isinstance(requests, ScoreRequest):
-            requests = [requests]
-        self._check_open()
-        return [self.scorer.score(r) for r in requests]
-
-    @property
-    def caches_prefixes(self) -> bool:
-        """Whether KV a pin or a finished request computed is reused by later requests (False
-        with disable_radix_cache: every request computes its whole prompt)."""
-        return not self.config.disable_radix_cache
-
     def pin(
         self, prefix: str | list[int], namespace: str | None = None, hints: GraphHints | None = None
     ) -> PinHandle:
@@ -265,29 +156,18 @@ class Engine:
         ids = self.intake.tokens(prefix, special=True)
         if not self.caches_prefixes:
             self.intake.validate_prompt(ids, 0)  # the errors a held pin would raise
-            info = PinInfo(
-                pin_id=_new_pin_id(),
-                num_tokens=len(ids),
-                cached_tokens=0,
-                namespace=namespace,
-                held=False,
-            )
-            return PinHandle(info, _release_nothing)
-        info, _ = self._pin_ids(ids, namespace, hints, False)
-        return PinHandle(info, self._release_pin)
-
-    def unpin(self, handle: PinHandle) -> None:
-        handle.release()
+            return unheld_pin(ids, namespace)
+        return self._in_flight.pin(ids, namespace, hints)
 
     def abort(self, rid: str) -> None:
         """Abort a waiting or running request (its result says finish_reason "abort")."""
-        if not self._closed:
-            self._run_in_loop(lambda: self.scheduler.abort(rid))
+        self._in_flight.abort(rid)
 
     def flush_cache(self) -> int:
         """Evict every unlocked cached token now; returns how many were evicted."""
         return self._call_in_loop(self.scheduler.kv.flush)
 
+    # ------------------------------------------------------------------ state
     def stats(self) -> dict[str, float]:
         """Engine counters and gauges (Prometheus-style names)."""
 
@@ -302,23 +182,13 @@ class Engine:
 
         return self._call_in_loop(collect)
 
-    @property
-    def tool_format(self) -> str:
-        """How this model writes tool calls: configured, or read off the chat template."""
-        return model_tool_format(self.config, self.tokenizer)
-
-    @property
-    def reasoning_format(self) -> str | None:
-        """How this model writes its reasoning, or None."""
-        return model_reasoning_format(self.config, self.tokenizer)
-
     def summary(self) -> EngineSummary:
         """What this engine is: model, family, device, dtype, KV pool, kernels (startup lines)."""
         runner = self.runner
         return EngineSummary.of(
             self.config, self.arch, runner.pool, runner.attention.name, self.model_path,
             None if self.cpu_share is None else self.cpu_share.max_threads,
-            None if self.tiers is None else self.tiers.describe(),
+            self.tiers.describe(),
         )  # fmt: skip
 
     def describe_cache(
@@ -333,51 +203,43 @@ class Engine:
     def cache_view(self, max_nodes: int = 40) -> CacheView:
         """The radix tree as a picture: Jupyter draws it; `.to_svg()`, `.to_dict()`."""
         kv, pins, render = self.scheduler.kv, self.scheduler.pins, _decoder(self.tokenizer)
-        below = self.tiers.stats if self.tiers is not None else dict
+        below = self.tiers.stats
         return self._call_in_loop(
             lambda: build_cache_view(kv.cache, pins, render, max_nodes, below=below())
         )
 
-    def cache_trace(self) -> list[tuple]:
-        """The recorded access trace (EngineConfig.record_trace): ("access", namespace, ids,
-        match_limit) at each admission and ("insert", namespace, ids) at each tree insert."""
-        return self._call_in_loop(lambda: list(self.scheduler.kv.trace or ()))
-
-    def subscribe_kv_events(self, max_pending_events: int = 100_000) -> KVEventSubscription:
+    def subscribe_kv_events(
+        self, max_pending_events: int = 100_000, replica: int | None = None
+    ) -> KVEventSubscription:
         """Stream the radix tree's changes (runtime/cache/events.py): a snapshot, then every
         stored/removed/cleared event in order. A reader more than `max_pending_events` behind
-        gets KVEventsLostError and must subscribe again."""
+        gets KVEventsLostError and must subscribe again. `replica`: None or 0 (one engine is
+        replica 0 of a front's API)."""
+        if replica not in (None, 0):
+            raise InvalidRequestError(
+                f"this server is one engine (replica 0), not a front; got {replica}"
+            )
 
         def subscribe() -> KVEventSubscription:
-            cache = self.scheduler.kv.cache
-            if self._kv_events is None:
-                self._kv_events = KVEventPublisher()
-                cache.event_sink = self._kv_events.emit  # a NullCache never calls it
-                if self.tiers is not None:
-                    self.tiers.event_sink = self._kv_events.emit
-            lower = self.tiers.lower_snapshot() if self.tiers is not None else ()
-            return self._kv_events.subscribe(cache.edge_paths(), max_pending_events, lower)
+            paths, lower = self.scheduler.kv.cache.edge_paths(), self.tiers.lower_snapshot()
+            return self._kv_events.subscribe(paths, max_pending_events, lower)
 
         return self._call_in_loop(subscribe)
 
-    def load_eviction_oracle(self, trace: Sequence[tuple]) -> None:
-        """Benchmarks only: the "oracle" eviction policy's future, a `cache_trace()` recorded
-        by a run of the same work (greedy); call before the first request."""
-        if self.config.eviction_policy != "oracle" or self.config.disable_radix_cache:
-            raise InvalidRequestError(
-                "load_eviction_oracle needs eviction_policy='oracle' and the radix cache on"
-            )
-        self._call_in_loop(lambda: self.scheduler.kv.marks.load(trace))
-
-    def set_eviction_clock(self, clock: Callable[[], float]) -> None:
-        """Benchmarks only: the clock (seconds) that times when paused program branches are
-        expected back (`GraphHints.next_turn_after_s`), for runs on a simulated clock."""
-        self._call_in_loop(lambda: setattr(self.scheduler.kv, "clock", clock))
+    def tier_view(self) -> TierView | None:
+        """How the lower KV tiers name chunks and where their disk is; None without a disk."""
+        return self.tiers.view()
 
     def check_integrity(self) -> None:
         """Assert tree, allocator and scheduler invariants (between steps)."""
         self._call_in_loop(self.scheduler.check_integrity)
 
+    def call_in_loop(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the loop thread between steps and return its result: the only thread
+        that may touch the scheduler (runtime/engine_tools.py's hooks use it)."""
+        return self._call_in_loop(fn)
+
+    # ------------------------------------------------------------------ lifetime
     def close(self, drain_timeout: float = 0.0) -> None:
         """Stop accepting; let in-flight requests finish for up to `drain_timeout` seconds,
         abort the rest, release every slot and pin, and stop the loop thread."""
@@ -388,11 +250,9 @@ class Engine:
         while self.scheduler.has_work() and time.monotonic() < deadline:
             time.sleep(0.02)
         self._loop.stop(self._abort_everything)
-        if self._kv_events is not None:
-            self._kv_events.close_all()
-        if self.tiers is not None:  # the loop is gone: its tree and pool are ours to read
-            self.scheduler.kv.persist()
-            self.tiers.close()
+        self._kv_events.close_all()
+        self.scheduler.kv.persist()  # the loop is gone: its tree and pool are ours to read
+        self.tiers.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -401,47 +261,8 @@ class Engine:
         self.close()
 
     # ------------------------------------------------------------------ internals
-    def _finished(self, handle: RequestHandle, req: Req) -> None:
-        with self._rids_lock:
-            self._rids.discard(req.rid)
-        try:
-            handle.push_chunk(stream_chunk_of(req))
-        finally:  # the result is delivered even if the caller's stream broke
-            handle.deliver(result_of(req))
-
-    def _pin_ids(
-        self, ids: list[int], namespace: str | None, hints: GraphHints | None, keep_row: bool
-    ) -> tuple[PinInfo, torch.Tensor | None]:
-        """Pin token ids; with `keep_row`, also return the last position's logprob row."""
-        pin_id = _new_pin_id()
-        req = self.intake.pin_req(pin_id, ids, namespace, hints, keep_row)
-        (finished,) = self._run_to_end([req])
-        info = PinInfo(
-            pin_id=pin_id,
-            num_tokens=len(ids),
-            cached_tokens=finished.cached_tokens or 0,
-            namespace=namespace,
-        )
-        return info, finished.last_logprobs
-
-    def _release_pin(self, pin_id: str) -> None:
-        if not self._closed:
-            self._run_in_loop(lambda: self.scheduler.abort(pin_id))
-
-    def _run_to_end(self, reqs: list[Req]) -> list[Req]:
-        """Add requests in one command and wait for each to finish (or pin); raise the first
-        error."""
-        futures: list[Future[Req]] = []
-        for req in reqs:
-            done: Future[Req] = Future()
-            req.on_finish = done.set_result
-            futures.append(done)
-        self._run_in_loop(lambda: [self.scheduler.add(r) for r in reqs])
-        finished = [f.result() for f in futures]
-        for req in finished:
-            if req.error:
-                raise error_for_kind(req.error_kind, req.error)
-        return finished
+    def _score_one(self, request: ScoreRequest, cancel: Cancellation | None) -> ScoreResult:
+        return self.scorer.score(request, cancel)
 
     def _run_in_loop(self, fn: Callable[[], Any]) -> None:
         self._check_open()
@@ -464,7 +285,7 @@ class Engine:
 # engines a script never closed, closed at exit: a loop thread still inside torch when the
 # interpreter stops daemon threads is cut off in C++ code, and the process aborts (SIGABRT,
 # "terminate called without an active exception"). atexit runs before that, and this hook,
-# registered after torch's import, before torch's own.
+# registered after torch's import (engine_build's), before torch's own.
 _LIVE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
@@ -479,20 +300,5 @@ def _close_live_engines() -> None:
 atexit.register(_close_live_engines)
 
 
-def _new_pin_id() -> str:
-    return f"pin-{uuid.uuid4().hex[:12]}"
-
-
-def _release_nothing(pin_id: str) -> None:
-    """An unheld pin's release: the scheduler never saw it."""
-
-
 def _decoder(tokenizer: Any) -> Callable[[tuple[int, ...]], str] | None:
     return (lambda ids: tokenizer.decode(list(ids))) if tokenizer is not None else None
-
-
-def _maybe_tokenizer(path) -> Any:
-    try:
-        return load_tokenizer(path)
-    except (OSError, ValueError, TypeError):
-        return None

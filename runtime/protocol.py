@@ -229,7 +229,7 @@ class GraphHints(_Frozen):
         le=MAX_HINT_FUTURE_TOKENS,
         description="with continuation: about how many tokens the program's later requests "
         "add to this sequence (their new prompt text and outputs); graph eviction keeps room "
-        "for the work in flight to finish before it admits new work (at most the owner's share "
+        "for the work ahead to finish before it admits new work (at most the owner's share "
         "of the pool: a hint is advice, never a reservation)",
     )
 
@@ -328,14 +328,6 @@ class ScoreResult(_Frozen):
     prefix_ids: list[int]
     continuation_ids: list[list[int]]
     token_logprobs: list[list[float]]  # per continuation, one logprob per token
-
-    @property
-    def sums(self) -> list[float]:
-        return [sum(lp) for lp in self.token_logprobs]
-
-    @property
-    def means(self) -> list[float]:
-        return [sum(lp) / len(lp) for lp in self.token_logprobs]
 
 
 class PinInfo(_Frozen):

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from runtime.model.sampler import sample
+from runtime.scheduler.entries import BatchEntry, ScheduledBatch
 from runtime.scheduler.request import Req, ReqKind
-from runtime.scheduler.scheduler import BatchEntry, ScheduledBatch
 
 
 @dataclass

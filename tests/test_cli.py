@@ -70,14 +70,19 @@ def help_entries(text: str) -> dict[str, str]:
     return entries
 
 
-def serve_options() -> list[str]:
-    """Every option `flowlang serve` defines (read from its parser, not written out here)."""
+def serve_parser() -> argparse.ArgumentParser:
+    """`flowlang serve`'s own parser."""
     from flowlang.cli import add_serve
 
     commands = argparse.ArgumentParser().add_subparsers()
     add_serve(commands)
-    parser = commands.choices["serve"]
-    return [a.option_strings[-1] for a in parser._actions if a.dest != "help"]
+    return commands.choices["serve"]
+
+
+def serve_options() -> list[str]:
+    """Every option `flowlang serve` defines (read from its parser, not written out here); a
+    `--x/--no-x` switch by its first spelling, the one its help entry starts with."""
+    return [a.option_strings[0] for a in serve_parser()._actions if a.dest != "help"]
 
 
 def test_serve_help_shows_every_option_with_its_default_and_every_policy():
@@ -94,6 +99,59 @@ def test_serve_help_shows_every_option_with_its_default_and_every_policy():
     assert f"{{{','.join(SCHEDULE_POLICIES)}}}" in entries["--schedule-policy"]
     assert f"{{{','.join(EVICTION_POLICIES)}}}" in entries["--eviction-policy"]
     assert "(default: 30% of available memory, at most 4 GiB)" in entries["--max-kv-tokens"]
+
+
+def test_every_engine_config_field_is_a_serve_option_or_excluded():
+    from flowlang.serve_options import NOT_OPTIONS
+    from runtime.config import EngineConfig
+
+    fields = set(EngineConfig.model_fields)
+    options = {a.dest: a.option_strings for a in serve_parser()._actions}
+    assert set(NOT_OPTIONS) <= fields, "an exclusion names no field"
+    assert len(set(NOT_OPTIONS)) == len(NOT_OPTIONS)
+    for name in fields:
+        flag = "--" + name.replace("_", "-")
+        assert (name in NOT_OPTIONS) != (flag in options.get(name, ())), name
+
+
+def test_serve_flags_become_engine_config_fields():
+    from flowlang.cli import engine_config
+    from flowlang.serve_options import engine_settings
+    from runtime.config import EngineConfig
+    from runtime.errors import UsageError
+
+    def parsed(*argv: str) -> EngineConfig:
+        return engine_config(**engine_settings(serve_parser().parse_args(argv)))
+
+    assert parsed("--port", "0", "--replicas", "2") == EngineConfig()  # defaults: the fields'
+    config = parsed(
+        *("--model", "random:tiny", "--dtype", "bfloat16", "--device", "cuda:1"),
+        *("--page-size", "4", "--max-kv-tokens", "4096", "--kv-memory-fraction", "0.5"),
+        *("--disk-kv-dir", "/tmp/kv", "--disk-kv-gb", "2.5", "--eviction-policy", "graph"),
+        *("--grammar-step-budget-ms", "12.5", "--speculative", "tree"),
+        *("--disable-radix-cache", "--batch-invariant", "--no-enable-jump-forward"),
+        *("--no-adapt-cpu-threads", "--tool-call-parser", "llama3", "--port", "0"),
+    )
+    assert config == EngineConfig(
+        model="random:tiny",
+        dtype="bfloat16",
+        device="cuda:1",
+        page_size=4,
+        max_kv_tokens=4096,
+        kv_memory_fraction=0.5,
+        disk_kv_dir="/tmp/kv",
+        disk_kv_gb=2.5,
+        eviction_policy="graph",
+        grammar_step_budget_ms=12.5,
+        speculative="tree",
+        disable_radix_cache=True,
+        batch_invariant=True,
+        enable_jump_forward=False,
+        adapt_cpu_threads=False,
+        tool_call_parser="llama3",
+    )
+    with pytest.raises(UsageError, match="--page-size: Input should be greater than or equal"):
+        parsed("--page-size", "0")
 
 
 def test_help_names_the_commands_and_loads_no_torch():

@@ -217,12 +217,13 @@ def test_every_relative_link_points_at_a_file():
     assert not broken, "links to nothing:\n" + "\n".join(broken)
 
 
-def test_layout_names_only_existing_paths():
-    """docs/layout.md's map: every entry, and every file a description names, exists."""
+def layout_paths() -> tuple[list[str], set[Path]]:
+    """docs/layout.md's map read: the names that do not exist (`file:line: name`), and every
+    existing path it names (entries, and files their descriptions name)."""
     page = ROOT / "docs" / "layout.md"
     (block,) = [b for b in parse_blocks(page) if b.kind == "text"]
     parents: list[Path] = [ROOT]  # the folder of each indentation level
-    base, missing = ROOT, []
+    base, missing, named_paths = ROOT, [], set()
     for number, line in enumerate(block.code.splitlines(), block.line):
         indent = len(line) - len(line.lstrip())
         words = line.split()
@@ -239,6 +240,7 @@ def test_layout_names_only_existing_paths():
             for name in names:
                 if not (parents[depth] / name).exists():
                     missing.append(f"{rel(page)}:{number}: {name}")
+                named_paths.add((parents[depth] / name).resolve())
             is_folder = names[0].endswith("/")
             base = parents[depth] / names[0] if is_folder else parents[depth]
             if is_folder:
@@ -246,5 +248,25 @@ def test_layout_names_only_existing_paths():
         for named in re.findall(r"[\w./-]+\.(?:py|html|md|sh|toml|ipynb)\b", line):
             if not ((base / named).exists() or (ROOT / named).exists() or "*" in named):
                 missing.append(f"{rel(page)}:{number}: {named}")
-    missing = list(dict.fromkeys(missing))
+            named_paths.update(p.resolve() for p in (base / named, ROOT / named) if p.exists())
+    return list(dict.fromkeys(missing)), named_paths
+
+
+def test_layout_names_only_existing_paths():
+    """docs/layout.md's map: every entry, and every file a description names, exists."""
+    missing, _ = layout_paths()
     assert not missing, "docs/layout.md names paths that do not exist:\n" + "\n".join(missing)
+
+
+def test_layout_names_every_module():
+    """...and the other direction: every module of the packages is in the map (a package's
+    __init__.py is named by its folder)."""
+    _, named = layout_paths()
+    modules = [
+        path
+        for package in ("flowlang", "runtime", "programs")
+        for path in (ROOT / package).rglob("*.py")
+        if path.name != "__init__.py"
+    ]
+    unlisted = [rel(path) for path in sorted(modules) if path.resolve() not in named]
+    assert not unlisted, "docs/layout.md does not list:\n" + "\n".join(unlisted)

@@ -306,7 +306,7 @@ def test_a_cpu_engine_releases_its_builders_openmp_workers_before_its_loop_runs(
 ):
     calls = []
     monkeypatch.setattr(
-        "runtime.engine.release_openmp_workers", lambda: calls.append(threading.get_ident())
+        "runtime.engine_build.release_openmp_workers", lambda: calls.append(threading.get_ident())
     )
     with engine(tiny_model_dir) as eng:
         assert calls == [threading.get_ident()]  # once, on the thread that built the model

@@ -13,11 +13,12 @@ import pytest
 from flowlang import assistant, gen, program, system, user
 from flowlang.backends.local import LocalBackend
 from runtime.cache.allocator import SlotAllocator
-from runtime.cache.graph_marks import CONTINUATION_GRACE_S, GraphMarks
+from runtime.cache.graph_policy import CONTINUATION_GRACE_S, GraphMarks
 from runtime.cache.radix import RadixCache
 from runtime.cache.replay import replay, working_set
 from runtime.config import EngineConfig
 from runtime.engine import Engine
+from runtime.engine_tools import cache_trace
 
 SAMPLING = {"ignore_eos": True, "temperature": 0.0}
 
@@ -72,7 +73,7 @@ def run(model_dir, batch, capacity: int, policy: str, page_size: int = 1):
         )
         assert all(hasattr(s, "text") for s in states), states
         engine.check_integrity()
-        return [s.token_ids() for s in states], engine.stats(), engine.cache_trace()
+        return [s.token_ids() for s in states], engine.stats(), cache_trace(engine)
 
 
 # (seed, conversations, context words, turns, shared system prompt, pool share, page size)

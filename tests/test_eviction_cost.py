@@ -10,8 +10,7 @@ import time
 import torch
 
 from runtime.cache.allocator import SlotAllocator
-from runtime.cache.eviction import GraphPolicy
-from runtime.cache.graph_marks import GraphMarks
+from runtime.cache.graph_policy import GraphMarks, GraphPolicy
 from runtime.cache.radix import RadixCache
 
 NUM_CALLS, NUM_QUEUED = 300, 8

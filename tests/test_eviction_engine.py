@@ -11,6 +11,7 @@ import pytest
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
+from runtime.engine_tools import cache_trace, load_eviction_oracle
 from runtime.errors import InvalidRequestError
 from runtime.protocol import GenerateRequest, GraphHints, SamplingParams
 
@@ -46,7 +47,7 @@ def run_rounds(policy: str, future: list[tuple] | None = None) -> tuple[list, di
     outputs = []
     with Engine(config) as engine:
         if policy == "oracle":
-            engine.load_eviction_oracle(future)
+            load_eviction_oracle(engine, future)
         for turn in range(NUM_TURNS):
             requests = []
             for user in range(NUM_USERS):
@@ -70,7 +71,7 @@ def run_rounds(policy: str, future: list[tuple] | None = None) -> tuple[list, di
                 assert result.finish_reason == "length", result.error
                 history[user] = history[user] + list(result.output_ids)
             outputs.append([list(r.output_ids) for r in results])
-        return outputs, engine.stats(), engine.cache_trace()
+        return outputs, engine.stats(), cache_trace(engine)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def test_outputs_identical_across_policies(lru_run, policy):
 def test_oracle_needs_its_policy():
     with Engine(EngineConfig(model="random:tiny", max_kv_tokens=64)) as engine:
         with pytest.raises(InvalidRequestError, match="eviction_policy='oracle'"):
-            engine.load_eviction_oracle([])
+            load_eviction_oracle(engine, [])
 
 
 def _kept_after_pressure(declared_a_s: float | None) -> tuple[int, int]:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.cache.allocator import SlotAllocator
-from runtime.cache.graph_marks import GraphMarks
+from runtime.cache.graph_policy import GraphMarks
 from runtime.cache.oracle import OracleMarks
 from runtime.cache.radix import RadixCache
 from runtime.cache.replay import replay
@@ -74,7 +74,7 @@ def _tree(policy: str, sequences: list[tuple[int, ...]], reads=None) -> RadixCac
     """`sequences` inserted in order; for the oracle, `reads` is the recorded future."""
     total = sum(map(len, sequences))
     cache = RadixCache(SlotAllocator(total + 8), 1, policy)
-    if reads is not None:  # loaded before the first insert, as Engine.load_eviction_oracle
+    if reads is not None:  # loaded before the first insert, as engine_tools.load_eviction_oracle
         OracleMarks(cache).load([("access", None, ids, len(ids)) for ids in reads])
     for ids in sequences:
         match = cache.match_prefix(ids)

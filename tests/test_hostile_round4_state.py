@@ -170,9 +170,9 @@ def test_a_huge_future_tokens_hint_holds_no_other_tenant(tiny_model_dir, step_co
 
 # ---------------------------------------------------------------- #10 returning branches
 def test_returning_branches_are_capped_per_owner_and_in_time(tiny_model_dir, monkeypatch):
-    import runtime.scheduler.kv as kv_module
+    import runtime.scheduler.branches as branches_module
 
-    monkeypatch.setattr(kv_module, "MAX_BRANCHES_PER_OWNER", 8, raising=False)
+    monkeypatch.setattr(branches_module, "MAX_BRANCHES_PER_OWNER", 8)
     with engine_for(tiny_model_dir, eviction_policy="graph", host_kv_gb=0.01) as engine:
         requests = [
             GenerateRequest(
@@ -185,8 +185,8 @@ def test_returning_branches_are_capped_per_owner_and_in_time(tiny_model_dir, mon
         ]
         for handle in engine.submit_many(requests):
             assert handle.result(timeout=60).finish_reason == "length"
-        kv = engine.scheduler.kv
-        table = on_loop(engine, lambda: [entry[0] - kv.now_s for entry in kv._returning.values()])
+        ahead = engine.scheduler.lookahead
+        table = on_loop(engine, lambda: [e[0] - ahead.now_s for e in ahead.returning.values()])
         assert len(table) == 8, f"{len(table)} returning branches kept for one owner"
         assert max(table) <= 86_400.0, "a declared return past the horizon was kept as is"
         other = GenerateRequest(
@@ -196,7 +196,7 @@ def test_returning_branches_are_capped_per_owner_and_in_time(tiny_model_dir, mon
             hints=GraphHints(program_id="q", continuation=True, next_turn_after_s=5.0),
         )
         engine.submit(other).result(timeout=60)  # another owner's entry displaces nothing
-        assert on_loop(engine, lambda: len(kv._returning)) == 9
+        assert on_loop(engine, lambda: len(ahead.returning)) == 9
         engine.check_integrity()
 
 
@@ -207,8 +207,8 @@ def test_the_draft_index_forgets_namespaces_that_left_the_tree():
     from runtime.cache.radix import RadixCache
     from runtime.cache.token_index import TokenIndex
 
-    cache = RadixCache(SlotAllocator(64, 1), 1)
-    cache.token_index = index = TokenIndex(64)
+    index = TokenIndex(64)
+    cache = RadixCache(SlotAllocator(64, 1), 1, listeners=(index,))
     for i in range(40):
         slots = cache.allocator.alloc(5)
         cache.insert([7, 8, 9, 1, i], slots, f"a/tenant-{i}")

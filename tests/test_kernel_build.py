@@ -169,14 +169,15 @@ def test_without_kernels_the_engine_says_so_once_and_runs_on_the_torch_path(tmp_
 
 
 def test_the_engine_starts_the_build_before_it_loads_the_model(tiny_model_dir, monkeypatch):
-    import runtime.engine as engine_module
+    import runtime.engine_build as build_module
     from runtime.config import EngineConfig
+    from runtime.engine import Engine
 
     calls = []
-    real_resolve = engine_module.resolve_model
-    monkeypatch.setattr(engine_module, "start_building_kernels", lambda: calls.append("build"))
+    real_resolve = build_module.resolve_model
+    monkeypatch.setattr(build_module, "start_building_kernels", lambda: calls.append("build"))
     monkeypatch.setattr(
-        engine_module, "resolve_model", lambda name: calls.append("model") or real_resolve(name)
+        build_module, "resolve_model", lambda name: calls.append("model") or real_resolve(name)
     )
-    engine_module.Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=256)).close()
+    Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=256)).close()
     assert calls == ["build", "model"]

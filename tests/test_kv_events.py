@@ -54,9 +54,8 @@ class EventMirrorMachine(RuleBasedStateMachine):
     def setup(self, page_size, policy):
         self.ps = page_size
         allocator = SlotAllocator(NUM_PAGES[page_size] * page_size, page_size)
-        self.cache = RadixCache(allocator, page_size, policy)
         self.publisher = KVEventPublisher()
-        self.cache.event_sink = self.publisher.emit
+        self.cache = RadixCache(allocator, page_size, policy, listeners=(self.publisher,))
         self.sub = self.publisher.subscribe(self.cache.edge_paths(), 10_000)
         self.mirror = MirrorTree(page_size)
         self.mirror.load(self.sub.snapshot)

@@ -28,6 +28,7 @@ from runtime.cache.disk_tier import DiskTier
 from runtime.cache.events import KVEvent
 from runtime.config import EngineConfig
 from runtime.engine import Engine
+from runtime.engine_tools import set_eviction_clock
 from runtime.protocol import GenerateRequest, GraphHints, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -255,7 +256,7 @@ def test_a_branch_that_declared_its_return_is_prefetched_before_it_comes_back(tm
     ids = long_prompt(7)
     settings = {"disk_kv_dir": str(tmp_path), "host_kv_gb": EIGHT_CHUNKS_GB}
     with Engine(config(**settings)) as engine:
-        engine.set_eviction_clock(lambda: now[0])
+        set_eviction_clock(engine, lambda: now[0])
         hints = GraphHints(program_id="conv", continuation=True, next_turn_after_s=10.0)
         [first] = engine.generate(GenerateRequest(input_ids=ids, sampling=GREEDY, hints=hints))
         for seed in range(10, 14):  # other work pushes it out of L1, then out of L2

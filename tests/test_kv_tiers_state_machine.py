@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from runtime.cache.allocator import SlotAllocator
 from runtime.cache.chunks import TierLayout, root_name
+from runtime.cache.factory import TierDemotion
 from runtime.cache.pool import KVPool
 from runtime.cache.radix import RadixCache
 from runtime.cache.tiers import KVTiers
@@ -48,7 +49,6 @@ class TierMachine(RuleBasedStateMachine):
     def setup(self, page_size, policy):
         self.ps = page_size
         self.pool = KVPool(num_layers=2, num_slots=NUM_SLOTS, num_kv_heads=1, head_dim=2)
-        self.cache = RadixCache(SlotAllocator(NUM_SLOTS, page_size), page_size, policy)
         layout = TierLayout("random:test", 2, 1, 2, torch.float32, page_size)
         self.chunk = layout.chunk_tokens
         self.dir = tempfile.mkdtemp(prefix="flowlang-tiers-")
@@ -59,7 +59,9 @@ class TierMachine(RuleBasedStateMachine):
             disk_dir=self.dir,
             disk_bytes=40 * (layout.chunk_nbytes + 64),
         )
-        self.cache.demote_sink = self.tiers.demote
+        demotion = TierDemotion(self.tiers)  # what the tree evicts moves down
+        allocator = SlotAllocator(NUM_SLOTS, page_size)
+        self.cache = RadixCache(allocator, page_size, policy, listeners=(demotion,))
         self.locks: list[tuple[object, tuple[int, ...], object]] = []
         self.named: dict[bytes, tuple[object, tuple[int, ...]]] = {}  # chunk name -> its prefix
         self.loaded = 0

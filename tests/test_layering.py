@@ -66,7 +66,7 @@ RUNTIME_LAYERS = {
     "runtime.constrain.grammar": ("runtime.scheduler", "runtime.generation", "runtime.engine"),
     "runtime.cache.radix": ("runtime.model", "runtime.scheduler", "runtime.engine"),
     "runtime.cache.base": ("runtime.model", "runtime.scheduler", "runtime.engine"),
-    "runtime.cache.graph_marks": ("runtime.model", "runtime.scheduler", "runtime.engine"),
+    "runtime.cache.graph_policy": ("runtime.model", "runtime.scheduler", "runtime.engine"),
     "runtime.cache.replay": ("runtime.model", "runtime.scheduler", "runtime.engine"),
     "runtime.scheduler.scheduler": ("runtime.engine", "runtime.model.runner", "runtime.server"),
 }

@@ -270,7 +270,8 @@ def test_graph_policy_orders_by_known_next_use():
 
     futures = {"A": (3, -1), "B": (1, -5), "C": None, "D": (2, -7), "E": (1, -9), "F": None}
     for name, future in futures.items():
-        cache.set_future(node(name), future)
+        if cache.policy.set_future(node(name), future):
+            cache.reprioritize(node(name))
     assert cache.wanted_size == 4  # A (a queued read) and D (a branch back right away)
     order = ""
     while cache.total_size:

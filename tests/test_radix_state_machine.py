@@ -13,13 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from runtime.cache.allocator import SlotAllocator
-from runtime.cache.eviction import (
-    CONTINUATION,
-    EVICTION_POLICIES,
-    QUEUED_READ,
-    RETURNING,
-    NextUse,
-)
+from runtime.cache.eviction import EVICTION_POLICIES
+from runtime.cache.graph_policy import CONTINUATION, QUEUED_READ, RETURNING, GraphPolicy, NextUse
 from runtime.cache.radix import RadixCache
 
 NAMESPACES = [None, "a", "b"]
@@ -170,8 +165,11 @@ class RadixMachine(RuleBasedStateMachine):
         """What graph marks write, on any node, locked or not: `wanted_size` must follow it
         through later locks, splits and evictions (check_integrity recounts it)."""
         nodes = [n for root in self.cache.roots().values() for n in _subtree(root)]
-        if nodes:
-            self.cache.set_future(data.draw(st.sampled_from(nodes)), future)
+        policy = self.cache.policy  # (only the graph policy keeps futures)
+        if nodes and isinstance(policy, GraphPolicy):
+            node = data.draw(st.sampled_from(nodes))
+            if policy.set_future(node, future):
+                self.cache.reprioritize(node)
 
     # ------------------------------------------------------------ checks
     def sync_after_evict(self) -> int:

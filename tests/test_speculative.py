@@ -38,10 +38,9 @@ def step_costs_unmeasured(monkeypatch):
 
 
 # ---------------------------------------------------------------- the token index
-def indexed_cache(num_slots: int, page_size: int) -> RadixCache:
-    cache = RadixCache(SlotAllocator(num_slots, page_size), page_size)
-    cache.token_index = TokenIndex(num_slots)
-    return cache
+def indexed_cache(num_slots: int, page_size: int) -> tuple[RadixCache, TokenIndex]:
+    index = TokenIndex(num_slots)
+    return RadixCache(SlotAllocator(num_slots, page_size), page_size, listeners=(index,)), index
 
 
 def insert(cache: RadixCache, ids: list[int], namespace) -> None:
@@ -83,19 +82,19 @@ def occurs(needle: list[int], haystacks: list[tuple[int, ...]]) -> bool:
     ),
 )
 def test_the_index_follows_the_tree_and_guesses_only_what_a_namespace_holds(page_size, ops):
-    cache = indexed_cache(256, page_size)
+    cache, index = indexed_cache(256, page_size)
     for op, namespace, ids, amount in ops:
         if op == "insert":
             insert(cache, ids, namespace)
         elif op == "evict":
             cache.evict(amount)
         else:
-            matched, guess = cache.token_index.continuation(namespace, ids, 8)
+            matched, guess = index.continuation(namespace, ids, 8)
             if guess:  # what it guesses is a real continuation of the context in this namespace
                 assert 3 <= matched <= len(ids)
                 assert occurs(ids[len(ids) - matched :] + guess, paths(cache, namespace))
             # every guess is one too, and the best is among them
-            every = cache.token_index.guesses(namespace, ids, 8, limit=64)
+            every = index.guesses(namespace, ids, 8, limit=64)
             for m, g in every:
                 assert 3 <= m <= len(ids)
                 assert occurs(ids[len(ids) - m :] + g, paths(cache, namespace))
@@ -105,10 +104,9 @@ def test_the_index_follows_the_tree_and_guesses_only_what_a_namespace_holds(page
 
 
 def test_a_guess_never_crosses_namespaces_and_dies_with_eviction():
-    cache = indexed_cache(64, 1)
+    cache, index = indexed_cache(64, 1)
     secret = [7, 8, 9, 1, 2, 3, 4, 5]
     insert(cache, secret, "tenant-a")
-    index = cache.token_index
     assert index.continuation("tenant-a", [7, 8, 9], 4) == (3, [1, 2, 3, 4])
     assert index.continuation("tenant-b", [7, 8, 9], 4) == (0, [])
     assert index.continuation(None, [7, 8, 9], 4) == (0, [])
@@ -121,17 +119,17 @@ def test_a_guess_never_crosses_namespaces_and_dies_with_eviction():
 
 
 def test_the_longest_matching_context_wins():
-    cache = indexed_cache(64, 1)
+    cache, index = indexed_cache(64, 1)
     insert(cache, [1, 5, 6, 7, 10, 11], None)
     insert(cache, [2, 5, 6, 7, 20, 21], None)  # the most recent, but a shorter match
-    assert cache.token_index.continuation(None, [9, 1, 5, 6, 7], 2) == (4, [10, 11])
-    assert cache.token_index.continuation(None, [9, 5, 6, 7], 2) == (3, [20, 21])
+    assert index.continuation(None, [9, 1, 5, 6, 7], 2) == (4, [10, 11])
+    assert index.continuation(None, [9, 5, 6, 7], 2) == (3, [20, 21])
     # a token tree's candidates: every matching position, the most recent first
-    assert cache.token_index.guesses(None, [9, 1, 5, 6, 7], 2, limit=8) == [
+    assert index.guesses(None, [9, 1, 5, 6, 7], 2, limit=8) == [
         (3, [20, 21]),
         (4, [10, 11]),
     ]
-    assert cache.token_index.guesses(None, [9, 1, 5, 6, 7], 2, limit=1) == [(3, [20, 21])]
+    assert index.guesses(None, [9, 1, 5, 6, 7], 2, limit=1) == [(3, [20, 21])]
 
 
 # ---------------------------------------------------------------- scheduler + verify, fake model

@@ -168,7 +168,7 @@ class PacedBackend(Backend):
         return pending
 
     def clock(self) -> float:
-        """The simulated time: the running wave's release (for `Engine.set_eviction_clock`)."""
+        """The simulated time: the running wave's release (engine_tools.set_eviction_clock)."""
         return self.now
 
     def _release(self) -> None:

@@ -28,6 +28,7 @@ from programs import multi_turn_chat, support_agent
 from runtime.cache.replay import working_set
 from runtime.config import EngineConfig
 from runtime.engine import Engine
+from runtime.engine_tools import cache_trace, load_eviction_oracle, set_eviction_clock
 from runtime.model.loader import load_tokenizer
 from runtime.model.random_weights import PRESETS
 from runtime.model.registry import resolve_model
@@ -138,7 +139,7 @@ def run_cell(
             wave_times = hints = None
         backend = PacedBackend(local, firsts, schedule, wave_times, hints)
         if told_think_times:
-            engine.set_eviction_clock(backend.clock)
+            set_eviction_clock(engine, backend.clock)
         start = time.perf_counter()
         states = workload.program.run_batch(
             workload.batch, backend=backend, progress=False, sampling=REPLY_SAMPLING
@@ -172,7 +173,7 @@ def cell_engine(
         if engine.tokenizer is None:  # a random-weight model: lend it the real tokenizer
             engine.tokenizer = engine.intake.tokenizer = tokenizer
         if policy == "oracle":
-            engine.load_eviction_oracle(future or [])
+            load_eviction_oracle(engine, future or [])
         yield engine
 
 
@@ -188,7 +189,7 @@ def cell_result(engine: Engine, states: list, wall_s: float) -> CellResult:
         stats["cache_hit_rate"],
         stats["evicted_tokens_total"],
         wall_s,
-        engine.cache_trace(),
+        cache_trace(engine),
         [tuple(s.token_ids()) for s in states],
     )
 

@@ -164,6 +164,23 @@ def fifo_chunk(target: Target) -> dict:
             "health_s": health_s}  # fmt: skip
 
 
+def cold_prompt(target: Target) -> dict:
+    """Control for #8: its owner sends a 600-token prompt nothing holds (no chunk file, not
+    cached) while tenant B probes: what B waits behind any tenant's prompt being computed, as
+    a bad chunk file's prompt is (the refused file costs its owner that recomputation)."""
+    url = target.url
+    flush(url)
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(r=greedy(url, _prompt(9000), "a")))
+    target.health()
+    thread.start()
+    victim_s = watch_victim(url, thread.is_alive)
+    thread.join(timeout=60)
+    answered = isinstance(out.get("r"), tuple) and out["r"][0] != "status"
+    return {"outcome": "owner's request answered" if answered else "not answered",
+            "expected": answered, "victim_s": victim_s, "health_s": target.health()}  # fmt: skip
+
+
 def _unblock(fifo: Path) -> int:
     """Open the FIFO for writing while readers wait on it (each then reads its end)."""
     opened = 0
@@ -263,6 +280,7 @@ def unclosed_engine(target: Target, runs: int = 4) -> dict:
 
 DISK_CASES = [
     Round4Case("#15", "chunk files swapped across tenants", "poison", "disk", swapped_chunks),
+    Round4Case("control", "cold 600-token prompt, no file", "stall", "disk", cold_prompt),
     Round4Case("#8", "1 GiB file under a chunk's name", "poison", "disk", huge_chunk),
     Round4Case("#8", "FIFO under a chunk's name", "stall", "disk", fifo_chunk),
 ]

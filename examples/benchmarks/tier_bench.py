@@ -68,6 +68,7 @@ from eviction_cells import WAVE_SIZE, CellResult, Workload
 
 from flowlang.backends.local import LocalBackend
 from runtime.cache.replay import working_set
+from runtime.engine_tools import set_eviction_clock
 from runtime.protocol import GenerateRequest, GenerateResult
 
 CONFIGS = {"a": "none", "b": "L2", "c": "L2+L3", "d": "L3 restart", "e": "small L2+L3"}
@@ -138,7 +139,7 @@ def run_tiers(
             schedule = eviction_cells.schedule_of(workload, order, THINK_JITTER)
         backend = TurnRecorder(local, firsts, schedule, wave_times, hints)
         if hints is not None:
-            engine.set_eviction_clock(backend.clock)
+            set_eviction_clock(engine, backend.clock)
         start = time.perf_counter()
         states = workload.program.run_batch(
             workload.batch, backend=backend, progress=False, sampling=eviction_cells.REPLY_SAMPLING
@@ -293,7 +294,7 @@ def copy_rates(model: str, num_tokens: int = 16_384, repeats: int = 3) -> None:
     from runtime.cache.tiers import KVTiers, TierExtent
 
     with eviction_cells.cell_engine(model, None, num_tokens + 1024, "lru") as engine:
-        pool, layout = engine.runner.pool, engine.tiers.layout if engine.tiers else None
+        pool = engine.runner.pool  # (the engine has no tiers: the copies get their own)
         prompt = list(range(100, 612))
         sampling = {"max_new_tokens": 1, "temperature": 0.0}
         prefill_s = []
@@ -304,7 +305,7 @@ def copy_rates(model: str, num_tokens: int = 16_384, repeats: int = 3) -> None:
             prefill_s.append(time.perf_counter() - start)
         from runtime.cache.chunks import TierLayout
 
-        layout = layout or TierLayout(
+        layout = TierLayout(
             model, pool.num_layers, pool.k[0].shape[1], pool.k[0].shape[2], pool.dtype, 1
         )
         tiers = KVTiers(pool, layout, host_bytes=(num_tokens // 16 + 8) * layout.chunk_nbytes)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from flowlang.chat import ChatFormat
 from runtime.protocol import GenerateRequest, GenerateResult, GraphHints, ScoreRequest, ScoreResult
@@ -52,9 +53,30 @@ class Backend(ABC):
     ) -> PinLease:
         """Prefill the prefix once and keep it cached until the lease is released."""
 
-    def place_batch(
-        self, program: Any, batch: Sequence[Mapping[str, Any]], options: Mapping[str, Any]
-    ) -> list | None:
-        """Run a whole `program.run_batch` itself (a cluster placing instances on its
-        replicas), results in batch order; None (the default): run it here."""
-        return None
+    def plan_batch(self, instances: Sequence[BatchInstance], namespace: str | None) -> BatchPlan:
+        """Where each compiled instance of a `run_batch` runs (a cluster places them on its
+        replicas); by default all of them on this backend, as one group."""
+        return BatchPlan((PlacedGroup(self, tuple(range(len(instances)))),))
+
+
+@dataclass(frozen=True)
+class BatchInstance:
+    """One instance of a batch as placement sees it, from its compiled request graph."""
+
+    prefix_ids: tuple[int, ...]  # what its first request sends (its later requests extend it)
+    num_extra_tokens: int = 0  # what its later static requests add past that prefix
+
+
+@dataclass(frozen=True)
+class PlacedGroup:
+    """Instances that run together on one backend, their shared prefixes pinned there."""
+
+    backend: Backend
+    indices: tuple[int, ...]  # positions in the batch, in batch order
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """A placement of a whole batch: every instance in exactly one group."""
+
+    groups: tuple[PlacedGroup, ...]

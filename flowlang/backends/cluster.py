@@ -2,22 +2,27 @@
 
 Requests are routed one by one (the cluster's policy; a fork's branches follow its pin).
 `program.run_batch(batch, backend=ClusterBackend(...))` places whole instances first (through
-`place_batch`): the batch's compiled prefixes are partitioned so that
+`plan_batch`): the batch's compiled prefixes are partitioned so that
 instances sharing the deepest prefixes run on one replica with token load balanced
-(runtime/cluster/placement.py); each replica's share then runs as an ordinary `run_batch`
+(runtime/cluster/placement.py); each replica's share then runs there as a group of the batch
 (its shared prefixes pinned there, each prefilled once).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
-from flowlang.backends.base import Backend, GenerationHandle, PinLease
+from flowlang.backends.base import (
+    Backend,
+    BatchInstance,
+    BatchPlan,
+    GenerationHandle,
+    PinLease,
+    PlacedGroup,
+)
 from flowlang.chat import CHATML, ChatFormat
-from flowlang.errors import InstanceError
-from runtime.prefix import union_prefix_tokens
 from runtime.protocol import GenerateRequest, GenerateResult, GraphHints, ScoreRequest, ScoreResult
 
 
@@ -90,43 +95,38 @@ class ClusterBackend(Backend):
     def place_batch(
         self, program: Any, batch: Sequence[Mapping[str, Any]], options: Mapping[str, Any]
     ) -> list | None:
-        """Place the batch's instances on the replicas (those sharing the deepest prefixes
-        together, computed tokens balanced), then run each replica's part there as a batch of
-        its own (its shared prefixes pinned there). A view of one replica, or a backend made
-        with `place=False`, runs it in place (routed request by request)."""
-        if self.replica is not None or not self.place:
+        """None where this backend leaves a batch to the router (a view of one replica, or
+        `place=False`); else the batch run placed, as `run_batch`. (`program.run_batch` asks
+        `plan_batch` instead; this stays for callers of the earlier protocol.)"""
+        if not self._places():
             return None
+        return self.run_batch(program, batch, **options)
+
+    def plan_batch(self, instances: Sequence[BatchInstance], namespace: str | None) -> BatchPlan:
+        """Place the batch's compiled instances on the replicas: those sharing the deepest
+        prefixes together, computed tokens balanced (runtime/cluster/placement.py); each
+        replica's group runs on a view of that replica, its shared prefixes pinned there. A
+        view of one replica, or a backend made with `place=False`, keeps the batch whole
+        (routed request by request)."""
+        if not self._places():
+            return super().plan_batch(instances, namespace)
         from runtime.cluster.placement import Instance, place_batch
 
-        namespace = options.get("namespace")
-        instances = []
-        for args in batch:
-            graph = program.compile(backend=self, **dict(args))
-            first = tuple(graph.first_prompt() or ())
-            static = [r.prompt_ids for r in graph.requests if r.prompt_ids]
-            # what its later static requests add; dynamic ones (after a gen) are not known yet
-            extra = union_prefix_tokens(static) - len(first) if static else 0
-            instances.append(Instance(namespace, first, extra))
         replicas = self.cluster.router.replica_ids
-        placement = place_batch(instances, len(replicas))
+        placement = place_batch(
+            [Instance(namespace, i.prefix_ids, i.num_extra_tokens) for i in instances],
+            len(replicas),
+        )
         groups: dict[int, list[int]] = {}
         for index, slot in enumerate(placement):
             groups.setdefault(slot, []).append(index)
-        options = {**options, "progress": False}
-        with ThreadPoolExecutor(max_workers=len(groups) or 1) as pool:
-            futures = {
-                slot: pool.submit(
-                    program.run_batch,
-                    [batch[i] for i in indices],
-                    backend=self.on_replica(replicas[slot]),
-                    **options,
-                )
+        return BatchPlan(
+            tuple(
+                PlacedGroup(self.on_replica(replicas[slot]), tuple(indices))
                 for slot, indices in groups.items()
-            }
-        results: list = [None] * len(batch)
-        for slot, indices in groups.items():
-            for index, result in zip(indices, futures[slot].result(), strict=True):
-                if isinstance(result, InstanceError):  # renumber: the index in the whole batch
-                    result = InstanceError(index, result.error, result.traceback_text)
-                results[index] = result
-        return results
+            )
+        )
+
+    def _places(self) -> bool:
+        """Whether this backend places batches itself (else the router routes each request)."""
+        return self.replica is None and self.place

@@ -16,7 +16,7 @@ from typing import Protocol, TextIO
 import torch
 
 from runtime.cache.allocator import SlotAllocator
-from runtime.cache.radix import InsertResult, MatchResult, TreeNode, TreePosition
+from runtime.cache.nodes import InsertResult, MatchResult, TreeNode, TreePosition
 
 Namespace = Hashable
 
@@ -81,6 +81,9 @@ class PrefixCache(Protocol):
     def edge_paths(self):
         """(namespace, path, start depth) per edge, parents first (a KV events snapshot)."""
 
+    def leaves(self):
+        """Every node without children: the ends of cached paths (persisted at shutdown)."""
+
     def eviction_order(self, limit: int) -> list[TreeNode]:
         """The first `limit` leaves eviction would take now, in order."""
 
@@ -108,7 +111,6 @@ class NullCache:
         self.page_size = allocator.page_size
         self.evictable_size = self.protected_size = self.wanted_size = self.num_nodes = 0
         self.num_evicted_tokens = 0
-        self.event_sink = None  # KV events: nothing is ever stored, so never called
         self._root = TreeNode((), _EMPTY, None, 0, 0)
         self._nowhere = TreePosition(self._root, 0)
 
@@ -152,6 +154,9 @@ class NullCache:
         return {}
 
     def edge_paths(self):
+        return iter(())
+
+    def leaves(self):
         return iter(())
 
     def eviction_order(self, limit: int) -> list[TreeNode]:

@@ -52,20 +52,27 @@ class DiskTier:
     no key to check files against, nothing is read). A directory anyone may write to, or a
     key others may read, is refused (DiskTrustError)."""
 
-    def __init__(self, root: str | Path, layout: TierLayout, capacity_bytes: int) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        layout: TierLayout,
+        capacity_bytes: int,
+        on_change: Callable[[str, bytes], None] = lambda kind, name: None,
+    ) -> None:
         self.layout = layout
         self.fingerprint = layout.fingerprint
         self.dir = Path(root) / self.fingerprint.hex()
         self.capacity_bytes = capacity_bytes
         self.file_nbytes = _HEADER.size + layout.chunk_nbytes
         self.writable = True
+        self.exists = True  # a directory is configured (tiers.py runs its threads)
         self.num_bad_files = 0
         self.num_writes = 0
         self.num_write_errors = 0
         self._warned: set[str] = set()
         self._index: OrderedDict[bytes, None] = OrderedDict()  # oldest first
         self._lock = threading.Lock()  # the index: the writer thread and the loop both use it
-        self.on_change: Callable[[str, bytes], None] | None = None  # ("stored"|"removed", name)
+        self.on_change = on_change  # ("stored" | "removed", name): KV events
         self._key = b""  # the deployment's secret; none: every file is a miss
         try:
             self._open(Path(root))
@@ -82,6 +89,11 @@ class DiskTier:
 
     def __len__(self) -> int:
         return len(self._index)
+
+    @property
+    def root(self) -> Path:
+        """The directory engines share (this layout's files are in a folder under it)."""
+        return self.dir.parent
 
     def path(self, name: bytes) -> Path:
         return self.dir / chunk_file(name.hex())
@@ -212,8 +224,7 @@ class DiskTier:
         )
 
     def _changed(self, kind: str, name: bytes) -> None:
-        if self.on_change is not None:
-            self.on_change(kind, name)
+        self.on_change(kind, name)
 
     def _stop_writing(self, message: str) -> None:
         self.writable = False
@@ -225,6 +236,32 @@ class DiskTier:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message)
+
+
+class NoDiskTier:
+    """No disk directory: nothing is there, nothing is written, no thread is needed."""
+
+    root = None
+    writable = False
+    exists = False  # no directory configured
+    capacity_bytes = 0
+    file_nbytes = 1
+    num_bad_files = num_writes = num_write_errors = 0
+
+    def __len__(self) -> int:
+        return 0
+
+    def contains(self, name: bytes) -> bool:
+        return False
+
+    def names(self) -> list[bytes]:
+        return []
+
+    def read(self, name: bytes) -> torch.Tensor | None:
+        return None
+
+    def write(self, name: bytes, chunk: torch.Tensor) -> bool:
+        return False
 
 
 def _is_regular(path: Path) -> bool:

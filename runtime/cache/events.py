@@ -31,6 +31,8 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from runtime.cache.tree_events import EdgeStored, LeafEvicted, TreeListener
+
 EventKind = Literal["stored", "removed", "cleared"]
 EVENT_KINDS: tuple[str, ...] = ("stored", "removed", "cleared")
 MEDIUMS: tuple[str, ...] = ("device", "host", "disk")
@@ -143,19 +145,17 @@ class KVEventSubscription:
         self._on_close(self)
 
 
-class KVEventPublisher:
+class KVEventPublisher(TreeListener):
     """Numbers events and fans them out to subscriptions. `emit` runs on the thread that
-    mutates the tree; `subscribe` must run there too (so the snapshot is consistent)."""
+    mutates the tree; `subscribe` must run there too (so the snapshot is consistent).
+
+    It listens to the tree it is built with from the start; with no subscriber, an evicted
+    leaf's path is never computed and nothing is built."""
 
     def __init__(self) -> None:
         self.seq = 0  # the last sequence number issued
         self._subscriptions: list[KVEventSubscription] = []
         self._lock = threading.Lock()  # subscriptions are closed from other threads
-
-    @property
-    def num_subscribers(self) -> int:
-        """Open subscriptions."""
-        return len(self._subscriptions)
 
     def emit(
         self,
@@ -175,6 +175,17 @@ class KVEventPublisher:
             subscriptions = list(self._subscriptions)
         for subscription in subscriptions:
             subscription.push(event)
+
+    # ------------------------------------------------------------ the tree's side
+    def edge_stored(self, event: EdgeStored) -> None:
+        self.emit("stored", event.namespace, event.key, event.start)
+
+    def leaf_evicted(self, event: LeafEvicted) -> None:
+        if self._subscriptions:  # the path is a walk up the tree: only for a listener
+            self.emit("removed", event.namespace, event.path, event.start)
+
+    def cleared(self) -> None:
+        self.emit("cleared", None, (), 0)
 
     def subscribe(
         self,

@@ -1,51 +1,19 @@
-"""Eviction policies (the order among evictable leaves) and the incremental candidate queue."""
+"""The eviction policies by name (the order among evictable leaves), the simple ones, and the
+incremental candidate queue. What a policy is: policy_base.py; "graph": graph_policy.py."""
 
 from __future__ import annotations
 
 import heapq
 import itertools
 import math
-from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
+
+from runtime.cache.graph_policy import GraphPolicy
+from runtime.cache.policy_base import EvictionPolicy
 
 if TYPE_CHECKING:
-    from runtime.cache.radix import TreeNode
-
-
-class NextUse(NamedTuple):
-    """A node's known next use (the "graph" policy); compared as a tuple, a larger one is kept
-    longer. Nodes with no known next use (`None`) rank below every NextUse, least recently used
-    first. Written by `GraphMarks` (graph_marks.py)."""
-
-    kind: int  # RETURNING, CONTINUATION or QUEUED_READ
-    order: float  # within a kind, larger is sooner: -expected return s, or -queue rank
-
-
-RETURNING = 1  # a paused program branch declared when it will be back to extend this path
-CONTINUATION = 2  # a paused program branch will extend this path right away
-QUEUED_READ = 3  # a waiting request reads this path
-
-
-class EvictionPolicy(ABC):
-    """Orders eviction candidates: the leaf with the smallest `priority(node)` goes first.
-
-    A policy reads node fields only (last_access_time, creation_time, hit_count, priority, or
-    state it keeps itself). When a key changes while the node is a candidate, the cache must be
-    told (`RadixCache.reprioritize(node)`), so the queue can re-order it.
-    """
-
-    name: str
-
-    @abstractmethod
-    def priority(self, node: TreeNode) -> Any:
-        """Sort key; smaller is evicted first. Ties go to the node that became a candidate first."""
-
-    def wanted(self, node: TreeNode) -> bool:
-        """Whether a known reader needs `node` soon: admission keeps such KV rather than evict
-        it for a request that reads less (`RadixCache.wanted_size`). Wanted nodes must rank
-        after every unwanted one. Only a policy that knows the future wants anything."""
-        return False
+    from runtime.cache.nodes import TreeNode
 
 
 class LRUPolicy(EvictionPolicy):
@@ -102,33 +70,6 @@ class SLRUPolicy(EvictionPolicy):
 
     def priority(self, node: TreeNode) -> Any:
         return (node.hit_count >= self.protected_hits, node.last_access_time)
-
-
-class GraphPolicy(EvictionPolicy):
-    """Evict by estimated next use, known from the program graph; recency breaks ties.
-
-    `node.future` is written by `GraphMarks` (graph_marks.py) through `RadixCache.set_future`:
-    - None: no known reader: evicted first, least recently used first;
-    - NextUse(RETURNING, -t): a program branch that paused here declared it is back at time t
-      to extend it;
-    - NextUse(CONTINUATION, -t): a branch that paused here at t is back right away (its next
-      request is not queued yet, so it is needed after everything already waiting);
-    - NextUse(QUEUED_READ, -rank): a waiting request at queue position `rank` reads it.
-    Belady's rule, with the next use taken from the queue and the programs instead of guessed.
-    Continuations and queued reads are wanted: admission does not evict them for a request
-    that reads less while anything else runs (scheduler.py). Pinned prefixes (fork and
-    run_batch shared prefixes) are locked and never candidates.
-    """
-
-    name = "graph"
-
-    def priority(self, node: TreeNode) -> Any:
-        future = node.future
-        return (0, node.last_access_time) if future is None else future
-
-    def wanted(self, node: TreeNode) -> bool:
-        future = node.future
-        return future is not None and future[0] >= CONTINUATION
 
 
 class OraclePolicy(EvictionPolicy):

@@ -14,10 +14,13 @@ from __future__ import annotations
 import math
 from collections import defaultdict, deque
 from collections.abc import Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from runtime.cache.eviction import OraclePolicy
-from runtime.cache.graph_marks import NoMarks
-from runtime.cache.radix import RadixCache, TreeNode
+from runtime.cache.policy_base import NoMarks
+
+if TYPE_CHECKING:
+    from runtime.cache.radix import RadixCache, TreeNode
 
 
 class _TrieNode:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from runtime.cache.allocator import SlotAllocator
-from runtime.cache.graph_marks import NoMarks
 from runtime.cache.oracle import OracleMarks
+from runtime.cache.policy_base import NoMarks
 from runtime.cache.radix import RadixCache
 from runtime.prefix import union_prefix_tokens
 

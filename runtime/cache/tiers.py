@@ -25,16 +25,16 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from runtime.cache.chunks import TierLayout, TierView, chunk_names, root_name, tail_name
-from runtime.cache.disk_tier import DiskTier
-from runtime.cache.pool import KVPool, lazy_zeros
+from runtime.cache.disk_tier import DiskTier, NoDiskTier
+from runtime.cache.host_tier import HostTier, NoHostTier
+from runtime.cache.lower import TierCounters, TierExtent
+from runtime.cache.pool import KVPool
 from runtime.cache.staging import StagingArea
 from runtime.prefix import common_prefix_len
 
@@ -43,141 +43,12 @@ log = logging.getLogger("flowlang.kv_tiers")
 WRITE_QUEUE_CHUNKS = 256  # L3 writes waiting at most; beyond, the caller writes (counted)
 
 
-# ---------------------------------------------------------------------------- L2
-
-
-class HostTier:
-    """`capacity_chunks` chunk rows in host memory (pinned when the pool is on CUDA), LRU.
-
-    A path's chunks are touched leaf to root, so a parent is always fresher than its
-    children and eviction goes leaf-first, as in the tree. Chunks prefetched for a known
-    reader are *held*: evicted only when nothing else is left, until read (at most half the
-    rows; beyond that the oldest hold lapses), so demotions do not push them out first."""
-
-    def __init__(self, layout: TierLayout, capacity_chunks: int, pin_memory: bool) -> None:
-        shape = (capacity_chunks, *layout.chunk_shape)
-        if pin_memory:
-            self.data = torch.empty(shape, dtype=layout.dtype, pin_memory=True)
-        else:
-            self.data = lazy_zeros(shape, layout.dtype)
-        self.capacity_chunks = capacity_chunks
-        self._rows: OrderedDict[bytes, int] = OrderedDict()  # not held; oldest first
-        self._held: OrderedDict[bytes, int] = OrderedDict()  # held; oldest hold first
-        self._free = list(range(capacity_chunks - 1, -1, -1))
-
-    def __contains__(self, name: bytes) -> bool:
-        return name in self._rows or name in self._held
-
-    def __len__(self) -> int:
-        return len(self._rows) + len(self._held)
-
-    @property
-    def num_held(self) -> int:
-        return len(self._held)
-
-    def row(self, name: bytes) -> int | None:
-        row = self._rows.get(name)
-        return row if row is not None else self._held.get(name)
-
-    def items(self) -> list[tuple[bytes, int]]:
-        """(chunk name, row) of every chunk here, the evictable oldest first."""
-        return [*self._rows.items(), *self._held.items()]
-
-    def touch(self, names: Sequence[bytes]) -> None:
-        """Mark a path's chunks (root first in `names`) used, the root freshest; a held
-        chunk that is read is held no more."""
-        for name in reversed(names):
-            row = self._held.pop(name, None)
-            if row is not None:
-                self._rows[name] = row
-            if name in self._rows:
-                self._rows.move_to_end(name)
-
-    def hold(self, name: bytes) -> None:
-        """Keep `name` until it is read (a prefetch for a known reader)."""
-        row = self._rows.pop(name, None)
-        if row is None:
-            return
-        self._held[name] = row
-        if len(self._held) > self.capacity_chunks // 2:
-            lapsed, row = self._held.popitem(last=False)
-            self._rows[lapsed] = row
-            self._rows.move_to_end(lapsed, last=False)  # its reader is late: it goes first
-
-    def take(self, name: bytes) -> tuple[int, tuple[bytes, int] | None]:
-        """A row for `name` (new, freshest) and the (name, row) it displaced, if any: the
-        caller copies that row out before writing the new one."""
-        if self._free:
-            row = self._free.pop()
-            self._rows[name] = row
-            return row, None
-        victims = self._rows if self._rows else self._held
-        victim, row = victims.popitem(last=False)
-        self._rows[name] = row
-        return row, (victim, row)
-
-    def check_integrity(self) -> None:
-        rows = [*self._rows.values(), *self._held.values()]
-        assert not self._rows.keys() & self._held.keys(), "a chunk both held and not"
-        assert len(set(rows)) == len(rows), "two chunks share a host row"
-        assert not set(rows) & set(self._free), "a host row is both used and free"
-        assert len(rows) + len(self._free) == self.capacity_chunks, "host rows lost"
-        assert len(self._held) <= self.capacity_chunks // 2, "too many held chunks"
-
-
-# ---------------------------------------------------------------------------- both
-
-
-@dataclass(frozen=True)
-class TierExtent:
-    """How far the lower tiers continue a device match: chunks `first_chunk`.. named
-    `names`, in L2 (`in_host[i]`) or only in L3, then maybe a partial chunk of
-    `tail_tokens` tokens in L2 (`tail`); `start` is where the device match ends."""
-
-    start: int
-    first_chunk: int
-    names: tuple[bytes, ...]
-    in_host: tuple[bool, ...]
-    chunk_tokens: int
-    tail: bytes | None = None
-    tail_tokens: int = 0
-
-    @property
-    def end(self) -> int:
-        end = (self.first_chunk + len(self.names)) * self.chunk_tokens + self.tail_tokens
-        return max(end, self.start)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-    def within(self, num_tokens: int) -> TierExtent:
-        """The longest head of this extent, in whole chunks (and the tail if all of it
-        fits), that is at most `num_tokens`."""
-        if self.num_tokens <= num_tokens:
-            return self
-        c = self.chunk_tokens
-        num_chunks = min(len(self.names), (self.start + num_tokens) // c - self.first_chunk)
-        num_chunks = max(0, num_chunks)
-        return TierExtent(
-            self.start, self.first_chunk, self.names[:num_chunks], self.in_host[:num_chunks], c
-        )
-
-
-@dataclass
-class TierCounters:
-    demoted_tokens: int = 0  # L1 evictions kept below (chunks not already there)
-    loaded_host_tokens: int = 0
-    loaded_disk_tokens: int = 0
-    prefetched_chunks: int = 0  # L3 -> L2 (or the staging area) ahead of admission
-    load_seconds: float = 0.0  # on the admission path (the step waits for it)
-    prefetch_seconds: float = 0.0  # reading chunk files on the prefetch thread (nobody waits)
-    writes_inline: int = 0  # L3 writes made on the caller's thread: the writer was behind
-    errors: int = 0  # unexpected failures below the pool (see KVTiers._failed)
-
-
 class KVTiers:
-    """L2 and/or L3 under one KV pool: demote, probe, load, prefetch, persist."""
+    """L2 and/or L3 under one KV pool: demote, probe, load, prefetch, persist (the
+    `LowerTiers` protocol, lower.py). A tier not configured is a null object (NoHostTier,
+    NoDiskTier) that holds nothing."""
+
+    keeps_evicted = True
 
     def __init__(
         self,
@@ -187,6 +58,7 @@ class KVTiers:
         disk_dir: str | Path | None = None,
         disk_bytes: int = 0,
         write_policy: str = "write_back",
+        event_sink: Callable[..., None] = lambda *event: None,
     ) -> None:
         self.pool = pool
         self.layout = layout
@@ -194,12 +66,18 @@ class KVTiers:
         self.fingerprint = layout.fingerprint
         self.write_policy = write_policy  # config.KV_WRITE_POLICIES
         host_chunks = host_bytes // layout.chunk_nbytes
-        self.host = (
-            HostTier(layout, host_chunks, pool.device.type == "cuda") if host_chunks else None
-        )
-        self.disk = DiskTier(disk_dir, layout, disk_bytes) if disk_dir is not None else None
-        if self.host is None and self.disk is None:
+        if not host_chunks and disk_dir is None:
             raise ValueError("KVTiers needs host memory (host_bytes) or a disk directory")
+        self.host = (
+            HostTier(layout, host_chunks, pool.device.type == "cuda")
+            if host_chunks
+            else NoHostTier()
+        )
+        self.disk = (
+            DiskTier(disk_dir, layout, disk_bytes, lambda k, n: self._note(k, "disk", n))
+            if disk_dir is not None
+            else NoDiskTier()
+        )
         self.counters = TierCounters()
         self.lock = threading.Lock()
         self._pending: dict[bytes, torch.Tensor] = {}  # queued L3 writes, readable meanwhile
@@ -211,14 +89,13 @@ class KVTiers:
         self._prefetches: queue.Queue = queue.Queue()
         self._prefetching: set[bytes] = set()
         self._staged = StagingArea(layout.chunk_nbytes)  # read for admission (`ready`)
-        # KV events (events.py): publisher.emit once someone subscribes; changes made on any
-        # thread wait in _events until the loop thread flushes them (once a step)
-        self.event_sink: Callable[..., None] | None = None
+        # KV events (events.py: the publisher's emit): changes made on any thread wait in
+        # _events until the loop thread flushes them (once a step)
+        self.event_sink = event_sink
         self._events: list[tuple[str, str, bytes]] = []
         self._events_lock = threading.Lock()
         self._threads = []
-        if self.disk is not None:
-            self.disk.on_change = lambda kind, name: self._note(kind, "disk", name)
+        if self.disk.exists:
             for target, name in (
                 (self._write_loop, "kv-disk-writer"),
                 (self._prefetch_loop, "kv-prefetch"),
@@ -250,7 +127,7 @@ class KVTiers:
         found, in_host = [], []
         with self.lock:
             for name in names[first:]:
-                here = self.host is not None and name in self.host
+                here = name in self.host
                 if not (here or self._on_disk(name)):
                     break
                 found.append(name)
@@ -310,10 +187,10 @@ class KVTiers:
             new = []  # (chunk, into L2, into L3)
             for k in range(first, len(names)):
                 name = names[k]
-                into_host = self.host is not None and name not in self.host
+                into_host = self.host.takes(name)
                 into_disk = (
-                    self.disk is not None
-                    and (self.host is None or to_disk)
+                    self.disk.exists
+                    and (not self.host.capacity_chunks or to_disk)
                     and not self._on_disk(name)
                 )
                 if into_host or into_disk:
@@ -328,10 +205,9 @@ class KVTiers:
                     data = torch.stack(self.pool.read_rows(chunk_slots)).cpu()
                 if into_disk:  # its own (2, layers, c, heads, dim) copy, for the writer
                     self._queue_write(names[k], data)
-            if count and self.host is not None and len(ids) % c:
+            if count and self.host.capacity_chunks and len(ids) % c:
                 self._store_tail(namespace, ids, names, slots)
-            if self.host is not None:
-                self.host.touch(names[first:])
+            self.host.touch(names[first:])
         if count:
             self.counters.demoted_tokens += len(new) * c
 
@@ -361,12 +237,12 @@ class KVTiers:
             if not self._tails[prev]:
                 del self._tails[prev]
             return
-        if self.disk is not None and not self._on_disk(name):
+        if self.disk.writable and not self._on_disk(name):
             self._queue_write(name, self.host.data[row].clone())
 
     def _on_disk(self, name: bytes) -> bool:
         """In L3, or queued for it (a queued chunk is read from memory meanwhile)."""
-        return self.disk is not None and (name in self._pending or self.disk.contains(name))
+        return name in self._pending or self.disk.contains(name)
 
     def _queue_write(self, name: bytes, data: torch.Tensor) -> None:
         if not self.disk.writable or name in self._pending:
@@ -385,8 +261,6 @@ class KVTiers:
         directory starts warm; the write queue would drop what does not fit), at most what
         the disk tier holds (more would only push out what was just written). Returns how
         many chunks were written."""
-        if self.disk is None:
-            return 0
         self.drain()
         c, written = self.chunk_tokens, 0
         room = self.disk.capacity_bytes // self.disk.file_nbytes
@@ -397,10 +271,9 @@ class KVTiers:
                 if self.disk.writable and not self.disk.contains(name):
                     k_rows, v_rows = self.pool.read_rows(slots[k * c : (k + 1) * c])
                     written += self.disk.write(name, torch.stack([k_rows, v_rows]).cpu())
-        if self.host is not None:
-            with self.lock:
-                rows = [(n, row) for n, row in self.host.items() if n not in self._tail_of]
-            for name, row in rows:
+        with self.lock:
+            rows = [(n, row) for n, row in self.host.items() if n not in self._tail_of]
+        for name, row in rows:
                 if written < room and self.disk.writable and not self.disk.contains(name):
                     with self.lock:
                         data = self.host.data[row].clone()
@@ -432,7 +305,7 @@ class KVTiers:
             skip = max(0, extent.start - (extent.first_chunk + k) * c)  # the device has those
             target = slots[loaded : loaded + size - skip]
             with self.lock:
-                row = self.host.row(name) if self.host is not None else None
+                row = self.host.row(name)
                 if row is not None:
                     chunk = self.host.data[row]  # (2, layers, c, heads, dim)
                     self.pool.write_rows(target, chunk[0, :, skip:size], chunk[1, :, skip:size])
@@ -447,7 +320,7 @@ class KVTiers:
                 self.pool.write_rows(target, chunk[0, :, skip:size], chunk[1, :, skip:size])
             loaded += size - skip
             read.append(name)
-        if self.host is not None and read:
+        if read:
             with self.lock:
                 self.host.touch(read)
         self.counters.loaded_host_tokens += from_host
@@ -458,36 +331,33 @@ class KVTiers:
     @property
     def hold_budget_chunks(self) -> int:
         """How many chunks may be held (L2) or staged (no L2) for known readers at once."""
-        if self.host is not None:
+        if self.host.capacity_chunks:
             return self.host.capacity_chunks // 2
-        return self._staged.capacity_chunks if self.disk is not None else 0
+        return self._staged.capacity_chunks  # (no L2: there is a disk)
 
     def prefetch(self, extent: TierExtent, budget_chunks: int) -> int:
         """Keep the first `budget_chunks` chunks of the extent in host memory for a known
         reader: hold those already in L2, read the L3-only ones on the prefetch thread
         (into L2, else the staging area; never waits). Returns the chunks of the budget used."""
         names = extent.names[:budget_chunks]
-        if self.host is not None:
-            with self.lock:
-                for name, here in zip(names, extent.in_host, strict=False):
-                    if here:
-                        self.host.hold(name)
+        with self.lock:
+            for name, here in zip(names, extent.in_host, strict=False):
+                if here:
+                    self.host.hold(name)
         unread = [n for n, here in zip(names, extent.in_host, strict=False) if not here]
-        self._read_ahead(unread, into_host=self.host is not None)
+        self._read_ahead(unread, into_host=bool(self.host.capacity_chunks))
         return len(names)
 
     def ready(self, extent: TierExtent) -> bool:
         """Admission's question: can the extent be loaded without reading a file on this
         thread (its chunks in L2, a queued write or the staging area)? If not, the missing
         ones are queued for the prefetch thread into the staging area (never waits); what
-        the area cannot take is computed."""
-        if self.disk is None:
-            return True
+        the area cannot take is computed. (Without a disk every chunk of an extent is in L2.)"""
         with self.lock:
             unread = [
                 name
                 for name in extent.names
-                if not (self.host is not None and name in self.host)
+                if name not in self.host
                 and name not in self._staged
                 and name not in self._pending
             ]
@@ -498,8 +368,8 @@ class KVTiers:
     def _read_ahead(self, names: Iterable[bytes], into_host: bool) -> None:
         """Queue L3-only chunks for the prefetch thread, each once at a time; for the staging
         area only while it has room (what is staged for the first readers is never pushed
-        out by reads for later ones)."""
-        if self.disk is None:
+        out by reads for later ones). Without a disk there is nothing to read, and no thread."""
+        if not self.disk.exists:
             return
         for name in names:
             if name in self._prefetching:
@@ -530,14 +400,13 @@ class KVTiers:
 
     # ------------------------------------------------------------------ events
     def _note(self, kind: str, medium: str, name: bytes) -> None:
-        if self.event_sink is not None:
-            with self._events_lock:
-                self._events.append((kind, medium, name))
+        with self._events_lock:
+            self._events.append((kind, medium, name))
 
     def flush_events(self) -> None:
         """Publish the lower tiers' changes since the last flush (loop thread), runs of one
         kind and medium as one event."""
-        if self.event_sink is None or not self._events:
+        if not self._events:
             return
         with self._events_lock:
             events, self._events = self._events, []
@@ -549,9 +418,8 @@ class KVTiers:
         changes not yet flushed are in it already."""
         with self.lock, self._events_lock:
             self._events.clear()
-            host = [n for n, _ in self.host.items()] if self.host is not None else []
-            host = [n for n in host if n not in self._tail_of]  # partial chunks: no events
-            disk = self.disk.names() if self.disk is not None else []
+            host = [n for n, _ in self.host.items() if n not in self._tail_of]  # (tails: none)
+            disk = self.disk.names()
         return [("host", tuple(n.hex() for n in host)), ("disk", tuple(n.hex() for n in disk))]
 
     # ------------------------------------------------------------------ threads
@@ -609,10 +477,9 @@ class KVTiers:
             log.exception("%s failed; its tokens will be computed instead", what)
 
     def drain(self) -> None:
-        """Wait for queued prefetches and writes (tests, shutdown)."""
-        if self.disk is not None:
-            self._prefetches.join()
-            self._writes.join()
+        """Wait for queued prefetches and writes (tests, shutdown; at once without a disk)."""
+        self._prefetches.join()
+        self._writes.join()
 
     def close(self) -> None:
         """Finish queued writes, stop the threads."""
@@ -625,31 +492,28 @@ class KVTiers:
 
     def view(self) -> TierView:
         """How these tiers name chunks and where their disk is, for a router."""
-        root = self.disk.dir.parent if self.disk is not None else None
-        return TierView(root, self.fingerprint, self.chunk_tokens)
+        return TierView(self.disk.root, self.fingerprint, self.chunk_tokens)
 
     # ------------------------------------------------------------------ stats, checks
     def describe(self) -> str:
         """One line for the engine's startup summary."""
         parts = []
-        if self.host is not None:
+        if self.host.capacity_chunks:
             gib = self.host.capacity_chunks * self.layout.chunk_nbytes / 2**30
             parts.append(
                 f"host {gib:.2f} GiB ({self.host.capacity_chunks * self.chunk_tokens:,} tokens)"
             )
-        if self.disk is not None:
+        if self.disk.exists:
             found = len(self.disk) * self.chunk_tokens
             state = "" if self.disk.writable else ", read only (see the warning)"
             parts.append(
-                f"disk {self.disk.dir.parent} (up to {self.disk.capacity_bytes / 2**30:g} "
+                f"disk {self.disk.root} (up to {self.disk.capacity_bytes / 2**30:g} "
                 f"GiB, {found:,} tokens there at start{state})"
             )
         policy = self.write_policy.replace("_", "-")
         return f"{'; '.join(parts)}; {policy}, {self.chunk_tokens}-token chunks"
 
     def _host_tokens(self) -> int:
-        if self.host is None:
-            return 0
         short = sum(self.chunk_tokens - len(tokens) for _, tokens in self._tail_of.values())
         return len(self.host) * self.chunk_tokens - short
 
@@ -662,29 +526,22 @@ class KVTiers:
             "kv_prefetched_tokens_total": c.prefetched_chunks * self.chunk_tokens,
             "kv_load_seconds_total": c.load_seconds,
             "kv_prefetch_seconds_total": c.prefetch_seconds,
-            "kv_host_held_tokens": self.host.num_held * self.chunk_tokens
-            if self.host is not None
-            else 0,
+            "kv_host_held_tokens": self.host.num_held * self.chunk_tokens,
             "kv_host_tokens": self._host_tokens(),
-            "kv_host_capacity_tokens": (
-                self.host.capacity_chunks * self.chunk_tokens if self.host is not None else 0
-            ),
-            "kv_disk_tokens": len(self.disk) * self.chunk_tokens if self.disk is not None else 0,
-            "kv_disk_bad_files_total": self.disk.num_bad_files if self.disk is not None else 0,
-            "kv_disk_writes_total": self.disk.num_writes if self.disk is not None else 0,
-            "kv_disk_write_errors_total": self.disk.num_write_errors
-            if self.disk is not None
-            else 0,
+            "kv_host_capacity_tokens": self.host.capacity_chunks * self.chunk_tokens,
+            "kv_disk_tokens": len(self.disk) * self.chunk_tokens,
+            "kv_disk_bad_files_total": self.disk.num_bad_files,
+            "kv_disk_writes_total": self.disk.num_writes,
+            "kv_disk_write_errors_total": self.disk.num_write_errors,
             "kv_disk_writes_inline_total": c.writes_inline,
             "kv_tier_errors_total": c.errors,
-            "kv_disk_writable": int(self.disk.writable) if self.disk is not None else 0,
+            "kv_disk_writable": int(self.disk.writable),
         }
 
     def check_integrity(self) -> None:
         with self.lock:
             self._staged.check_integrity()
-            if self.host is not None:
-                self.host.check_integrity()
+            self.host.check_integrity()
             indexed = {name for tails in self._tails.values() for name in tails.values()}
             assert indexed == set(self._tail_of), "the partial-chunk index drifted"
             for name, (prev, tokens) in self._tail_of.items():

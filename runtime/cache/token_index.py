@@ -8,16 +8,25 @@ every finished continuation, token by token; this index makes them searchable by
   after it most recently inserted, its namespace;
 - per trigram (namespace, three tokens): the last few slots it ends at.
 
-The tree tells it what it inserts (`inserted`, the new edge's tokens and slots) and what it
-frees (`released`): insertion costs O(new tokens), eviction O(evicted tokens), a split
-nothing (slots never move), and nothing is ever rescanned. A namespace is part of every key
-and is checked on every slot read, so a guess never comes from another tenant's tokens.
+It listens to the tree (tree_events.py): the tree tells it what it inserts (`inserted`, the
+new edge's tokens and slots) and what it frees (`released`): insertion costs O(new tokens),
+eviction O(evicted tokens), a split nothing (slots never move), and nothing is ever
+rescanned. A namespace is part of every key and is checked on every slot read, so a guess
+never comes from another tenant's tokens.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
+
+from runtime.cache.tree_events import EdgeStored, TreeListener
+
+if TYPE_CHECKING:
+    import torch
+
+    from runtime.cache.radix import RadixCache
 
 NGRAM = 3  # tokens a key holds: the shortest context a guess starts from
 ANCHORS_PER_GRAM = 4  # most recent slots kept per trigram
@@ -26,7 +35,7 @@ MAX_MATCH = 12  # how far back a candidate's context is compared (longer wins)
 _NONE = -1
 
 
-class TokenIndex:
+class TokenIndex(TreeListener):
     """Trigram -> slots, and per-slot links along the tree's paths."""
 
     def __init__(self, num_slots: int) -> None:
@@ -45,6 +54,16 @@ class TokenIndex:
         self._next_space = 0
 
     # ------------------------------------------------------------------ the tree's side
+    def edge_stored(self, event: EdgeStored) -> None:
+        slots = event.slots.tolist()
+        self.inserted(event.namespace, event.key, event.start, slots, event.prev_slot)
+
+    def slots_freed(self, slots: torch.Tensor) -> None:
+        self.released(slots.tolist())
+
+    def cleared(self) -> None:
+        self.reset()
+
     def space_id(self, namespace: Hashable) -> int:
         """`namespace`'s id, a new one (never reused) if it holds no slot now."""
         ident = self._space_ids.get(namespace)
@@ -194,13 +213,10 @@ class TokenIndex:
         return out
 
     # ------------------------------------------------------------------ checks
-    @property
-    def num_indexed(self) -> int:
-        return sum(len(a) for a in self._grams.values())
-
-    def check_integrity(self, tree_slots: dict[int, int] | None = None) -> None:
-        """Every listed slot is indexed under its own key; with the tree's slot -> token map,
-        the index knows exactly the tree's slots and their tokens."""
+    def check_integrity(self, cache: RadixCache | None = None) -> None:
+        """Every listed slot is indexed under its own key; with the tree it listens to, the
+        index knows exactly the tree's slots and their tokens."""
+        tree_slots = _slot_tokens(cache) if cache is not None else None
         for gram, anchors in self._grams.items():
             assert anchors and len(anchors) <= ANCHORS_PER_GRAM, gram
             for slot in anchors:
@@ -214,3 +230,14 @@ class TokenIndex:
         if tree_slots is not None:
             listed = {s: self._token[s] for s in range(self.num_slots) if self._space[s] != _NONE}
             assert listed == tree_slots, "the index and the tree disagree on their tokens"
+
+
+def _slot_tokens(cache: RadixCache) -> dict[int, int]:
+    """Every slot the tree holds -> its token."""
+    held: dict[int, int] = {}
+    stack = list(cache.roots().values())
+    while stack:
+        node = stack.pop()
+        held.update(zip(node.value.tolist(), node.key, strict=True))
+        stack.extend(node.children.values())
+    return held

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from runtime.cache.eviction import CONTINUATION, QUEUED_READ, RETURNING
+from runtime.cache.graph_policy import CONTINUATION, QUEUED_READ, RETURNING
 
 NEXT_USE_WORDS = {
     RETURNING: "continuation",
@@ -173,7 +173,7 @@ class _Snapshot:
     def view(self, node: Any) -> NodeView:
         head = tuple(node.key[: self.label_tokens])
         label = repr(self.render(head)) if self.render is not None else " ".join(map(str, head))
-        future = node.future
+        future = self.cache.policy.future(node)  # a NextUse, if the policy knows one
         return NodeView(
             len(node.key),
             node.depth,

@@ -1,4 +1,4 @@
-"""ClusterEngine: the Engine surface the HTTP server uses, in front of a Cluster.
+"""ClusterEngine: the engine's surface (runtime/engine_api.py EngineAPI), in front of a Cluster.
 
 `create_app(ClusterEngine(cluster), settings)` serves the same SGLang, OpenAI and flowlang
 routes as one engine. Requests are validated here, at the front (a bad one gets its 4xx before
@@ -15,14 +15,17 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from runtime.cache.chunks import TierView
 from runtime.cache.view import CacheView, merge_views
 from runtime.cluster.cluster import Cluster
-from runtime.constrain.formats import model_reasoning_format, model_tool_format
+from runtime.config import EngineConfig
+from runtime.engine_api import EngineCommon
 from runtime.errors import EngineBusyError, EngineClosedError, InvalidRequestError
 from runtime.handles import RequestHandle
 from runtime.intake import RequestIntake
+from runtime.model.arch import ModelArch
 from runtime.model.registry import resolve_model
-from runtime.protocol import GenerateRequest, GraphHints, ScoreRequest, StreamChunk
+from runtime.protocol import GenerateRequest, GraphHints, ScoreRequest, ScoreResult, StreamChunk
 from runtime.results import error_result
 from runtime.scoring import Cancellation
 from runtime.summary import EngineSummary
@@ -30,22 +33,13 @@ from runtime.summary import EngineSummary
 RETRACT_TIMEOUT_S = 30.0  # for the event loop to take back a handle's chunks (it never blocks)
 
 
-class _Scorer:
-    """`engine.scorer.score(request, cancel)` for the server's score routes."""
+class ClusterEngine(EngineCommon):
+    """The engine's surface (EngineAPI), served by a Cluster's replicas: what the server
+    serves with `--replicas N`."""
 
-    def __init__(self, front: ClusterEngine) -> None:
-        self._front = front
-
-    def score(self, request: ScoreRequest, cancel: Cancellation | None = None) -> Any:
-        """Score on the replica caching most of the prefix; `cancel` reaches it there."""
-        front = self._front
-        prefix_ids = front.intake.tokens(request.prefix, special=True)
-        routed = request.model_copy(update={"prefix": prefix_ids})
-        return front.cluster.score(routed, cancel=cancel)
-
-
-class ClusterEngine:
-    """What `runtime.server` needs of an Engine, served by a Cluster's replicas."""
+    config: EngineConfig
+    arch: ModelArch  # the replicas' (one config: the same model)
+    tokenizer: Any  # loaded here too: requests are validated at the front
 
     def __init__(self, cluster: Cluster, owns_cluster: bool = True) -> None:
         self.cluster = cluster
@@ -55,23 +49,7 @@ class ClusterEngine:
         self.arch, num_slots = cluster.describe(first)
         self.tokenizer = _load_tokenizer(self.config.model)
         self.intake = RequestIntake(self.config, self.arch, self.tokenizer, num_slots)
-        self.scorer = _Scorer(self)
         self._closed = False
-
-    @property
-    def tool_format(self) -> str:
-        """How the model writes tool calls (as Engine.tool_format)."""
-        return model_tool_format(self.config, self.tokenizer)
-
-    @property
-    def reasoning_format(self) -> str | None:
-        """How the model writes its reasoning (as Engine.reasoning_format)."""
-        return model_reasoning_format(self.config, self.tokenizer)
-
-    @property
-    def caches_prefixes(self) -> bool:
-        """Whether the replicas reuse computed prefixes (as Engine.caches_prefixes)."""
-        return not self.config.disable_radix_cache
 
     # ---------------------------------------------------------------- requests
     def submit(
@@ -149,10 +127,13 @@ class ClusterEngine:
             )
         return self.cluster.open_event_reader(replica, max_pending_events)
 
-    @property
-    def replica_ids(self) -> list[int]:
-        """The live replicas."""
-        return self.cluster.router.replica_ids
+    def tier_view(self) -> TierView | None:
+        """The replicas' lower KV tiers, as the router prices them (one config: all alike)."""
+        return self.cluster.router.lower_tiers
+
+    def check_integrity(self) -> None:
+        """Assert every live replica's engine invariants."""
+        self.cluster.check_integrity()
 
     @property
     def is_alive(self) -> bool:
@@ -188,6 +169,12 @@ class ClusterEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError("the cluster front is closed")
+
+    def _score_one(self, request: ScoreRequest, cancel: Cancellation | None) -> ScoreResult:
+        """Score on the replica caching most of the prefix; `cancel` reaches it there."""
+        prefix_ids = self.intake.tokens(request.prefix, special=True)
+        routed = request.model_copy(update={"prefix": prefix_ids})
+        return self.cluster.score(routed, cancel=cancel)
 
 
 def _deliver(handle: RequestHandle, rid: str, done: Future, num_streamed: int) -> None:

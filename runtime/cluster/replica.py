@@ -108,7 +108,7 @@ class Replica:
         with self._lock:
             self._scores[score_id] = cancel
         try:
-            result = self.engine.scorer.score(request, cancel)
+            (result,) = self.engine.score(request, cancel)
         finally:
             with self._lock:
                 del self._scores[score_id]
@@ -137,13 +137,13 @@ class Replica:
 
     def describe(self) -> tuple[Any, int]:
         """The model's architecture and the KV pool's size in slots (for a router front)."""
-        return self.engine.arch, self.engine.intake.num_slots
+        return self.engine.arch, self.engine.num_slots
 
     def tier_view(self) -> tuple[str | None, bytes, int] | None:
         """How its lower KV tiers name chunks and where their disk is (runtime/cache/chunks
         TierView); None without lower tiers. Replicas of one config name alike, share the disk."""
-        tiers = self.engine.tiers
-        return None if tiers is None else tiers.view().describe()
+        view = self.engine.tier_view()  # None: no disk tier to share
+        return None if view is None else view.describe()
 
     def summary(self) -> EngineSummary:
         """The engine's startup summary (runtime/summary.py)."""

@@ -33,9 +33,9 @@ class SimReplica:
     """A radix tree and its slot pool standing in for an engine; counts computed tokens."""
 
     def __init__(self, max_kv_tokens: int, page_size: int = 1) -> None:
-        self.cache = RadixCache(SlotAllocator(max_kv_tokens, page_size), page_size)
         self.publisher = KVEventPublisher()
-        self.cache.event_sink = self.publisher.emit
+        allocator = SlotAllocator(max_kv_tokens, page_size)
+        self.cache = RadixCache(allocator, page_size, listeners=(self.publisher,))
         self.subscription = self.publisher.subscribe((), max_pending_events=1_000_000)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0

@@ -15,11 +15,19 @@ token must be expected to add more than its share of the step's time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from runtime.cache.token_index import MAX_MATCH, NGRAM, TokenIndex
 from runtime.scheduler.request import Req
 from runtime.scheduler.step_costs import StepCosts
+
+if TYPE_CHECKING:
+    from runtime.config import EngineConfig
+    from runtime.scheduler.entries import BatchEntry
+    from runtime.scheduler.grammar_gate import GrammarGate
+    from runtime.scheduler.kv import KVManager
 
 FIRST_DRAFT_TOKENS = 4
 MAX_COOLDOWN_STEPS = 15
@@ -48,6 +56,33 @@ class SpecState:
         return (self.hits + PRIOR_WEIGHT * prior) / (self.hits + self.stops + PRIOR_WEIGHT)
 
 
+def make_drafter(config: EngineConfig, index: TokenIndex | None) -> Drafter | NoDrafter:
+    """The drafter `config.speculative` asks for (`index`: the tree's, None with the cache
+    off)."""
+    if config.speculative == "tree":
+        return Drafter(config.spec_max_draft_tokens, index)
+    return NoDrafter()
+
+
+class NoDrafter:
+    """Speculation off: no request gets a draft, and nothing is learned."""
+
+    def draft(self, req: Req, running: Iterable[Req], num_decodes: int = 1) -> list[int]:
+        return []
+
+    def attach(self, entries: list[BatchEntry], running, grammar, kv) -> list[BatchEntry]:
+        return entries
+
+    def verified(self, req: Req, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+    def observe_step(self, entries: Sequence[BatchEntry], seconds: float) -> None:
+        pass
+
+    def stats(self) -> dict[str, float]:
+        return Drafter(1, None).stats()  # the same series, all zero
+
+
 class Drafter:
     """Picks each decoding request's draft and learns from its verification."""
 
@@ -59,6 +94,21 @@ class Drafter:
         self.verified_drafts = 0
         self.costs = StepCosts()
         self._hits = self._stops = 1.0  # everyone's, decayed: new requests' prior
+
+    def attach(
+        self, entries: list[BatchEntry], running: list[Req], grammar: GrammarGate, kv: KVManager
+    ) -> list[BatchEntry]:
+        """The decode entries with each request's guess of what follows, where it has one,
+        its grammar allows it and free slots hold it (a guess never evicts anything)."""
+        attached = []
+        for entry in entries:
+            req = entry.req
+            draft = self.draft(req, running, len(entries)) if entry.wants_logits else []
+            draft = draft[: grammar.max_draft_tokens(req, len(draft))] if draft else draft
+            if draft and kv.grow(req, req.num_tokens + len(draft), evict=False):
+                entry = replace(entry, draft=tuple(draft))
+            attached.append(entry)
+        return attached
 
     def draft(self, req: Req, running: Iterable[Req], num_decodes: int = 1) -> list[int]:
         """Up to the request's draft length of guessed tokens, in a step of `num_decodes`
@@ -146,6 +196,13 @@ class Drafter:
         else:
             state.misses += 1
             state.cooldown = min(MAX_COOLDOWN_STEPS, (1 << state.misses) - 1)
+
+    def observe_step(self, entries: Sequence[BatchEntry], seconds: float) -> None:
+        """A step's forward + sample/verify time: pure decode steps teach what guessed
+        tokens cost."""
+        if all(e.is_decode for e in entries):
+            extra = sum(len(e.draft) + e.num_new - 1 for e in entries)
+            self.costs.observe(len(entries), extra, seconds)
 
     def stats(self) -> dict[str, float]:
         drafts = self.verified_drafts

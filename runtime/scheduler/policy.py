@@ -10,11 +10,32 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
 
 from runtime.cache.base import PrefixCache
-from runtime.cache.radix import TreeNode, TreePosition
+from runtime.cache.nodes import TreeNode, TreePosition
 from runtime.config import SCHEDULE_POLICIES
 from runtime.scheduler.request import Req
+
+
+class QueuedReads:
+    """What the waiting queue reads, in admission order: each waiting request with its
+    current cache match. Graph eviction's marks read it right before they evict, and the
+    lookahead prefetches for its head; both iterate lazily (ordering is not free, and a random
+    order draws only when asked). The queue is the scheduler's: read here, never changed."""
+
+    def __init__(self, waiting: Mapping[str, Req], policy: SchedulePolicy) -> None:
+        self.waiting = waiting
+        self.policy = policy
+
+    def matches(self) -> Iterator[tuple[Req, TreePosition]]:
+        if not self.waiting:
+            return
+        for req in self.policy.order(list(self.waiting.values())):
+            yield req, self.policy.match(req)
+
+    def positions(self) -> Iterator[TreePosition]:
+        return (position for _, position in self.matches())
 
 
 class SchedulePolicy:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runtime.cache.radix import TreePosition
+from runtime.cache.nodes import TreePosition
 from runtime.errors import InvalidRequestError
 from runtime.generation import GenerationState
 from runtime.protocol import MAX_NAMESPACE_CHARS, GraphHints
@@ -93,7 +93,7 @@ class Req:
         self.chunk_names: list[bytes] = []  # lower tiers' names of its chunks so far (tiers.py)
         self.admit_seq = -1
         self.num_retractions = 0
-        self.num_passed = 0  # later requests admitted while this one was held back
+        self.num_passed = 0  # later requests admitted while this one was deferred
         self.error: str | None = None
         self.error_kind: str | None = None  # "invalid" | "busy" | "internal" | "timeout"
         # the last known cache match while waiting (SchedulePolicy.match keeps it current)

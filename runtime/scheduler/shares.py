@@ -17,9 +17,28 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING
 
-from runtime.cache.radix import owner_of
+from runtime.cache.nodes import owner_of
 from runtime.scheduler.request import Req
+
+if TYPE_CHECKING:
+    from runtime.scheduler.scheduler import Scheduler
+
+
+def fair_share_victims_of(s: Scheduler) -> list[Req]:
+    """The scheduler's running requests to retract before this step (fair_share_victims)."""
+    if not s.waiting or not s.running:
+        return []
+    reserved = sum(map(s.reserved_slots, s.running))
+    return fair_share_victims(
+        s.running,
+        list(s.waiting.values()),
+        s.kv.allocator.num_slots,
+        claim_of=lambda r: r.num_tokens + s.growth_reserve(r),
+        need_of=s.need,
+        available_slots=s.kv.available_slots(reserved),
+    )
 
 
 def fair_share_victims(

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
+from runtime.engine_api import EngineAPI
 from runtime.server import dashboard, events_api, flowlang_api, openai_api, ops, sglang_api
 from runtime.server.drain import FAIL_GRACE_S, Drain
 from runtime.server.errors import (
@@ -43,7 +44,7 @@ PROBE_PATHS = frozenset({"/health", "/metrics"})  # answered while draining, nev
 FOLLOWER_PATHS = frozenset({"/v1/flowlang/kv_events"})  # endless: they end when a drain begins
 
 
-def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(engine: EngineAPI, settings: ServerSettings | None = None) -> FastAPI:
     """The app serving `engine`: every API, API keys, the body size limit, error mapping."""
     server = Server(engine, settings or ServerSettings())
     app = FastAPI(title="flowlang", lifespan=_lifespan, default_response_class=AsciiJSONResponse)
@@ -232,7 +233,7 @@ def serve(
 
 
 def run_app(
-    engine: Engine,
+    engine: EngineAPI,
     settings: ServerSettings,
     sock: socket.socket | None = None,
     fatal: Callable[[], str | None] | None = None,
@@ -269,7 +270,7 @@ def run_app(
     return drain.exit_status
 
 
-def _exit_if_engine_dies(engine: Engine) -> None:
+def _exit_if_engine_dies(engine: EngineAPI) -> None:
     while engine.is_alive or engine.closed:
         if engine.closed:
             return

@@ -3,7 +3,7 @@ history), the constraint (tool calls, a reasoning block, a response format), and
 output becomes an assistant message (content, tool_calls, reasoning_content), whole or as
 stream deltas.
 
-Where the tool-call and reasoning formats come from: runtime/constrain/ (tool_calls.py,
+Where the tool-call and reasoning formats come from: runtime/constrain/ (tool_calls/,
 reasoning.py, tool_prompt.py); the engine says which its model uses (Engine.tool_format).
 """
 
@@ -14,7 +14,7 @@ import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime.constrain.reasoning import ReasoningFormat, ReasoningStream, reasoning_format
 from runtime.constrain.tool_calls import (
@@ -33,6 +33,9 @@ from runtime.errors import InvalidRequestError
 from runtime.intake import check_unicode
 from runtime.protocol import Constraint, GenerateResult, ToolCall, ToolSpec
 from runtime.server.schemas import ChatBody
+
+if TYPE_CHECKING:
+    from runtime.engine_api import EngineAPI
 
 # what chat_template_kwargs may not set: the variables the server sets itself, and every
 # argument of apply_chat_template (and of the renderer under it) that is no template variable:
@@ -75,7 +78,7 @@ class ChatPlan:
     keep_special_tokens: bool = False  # the call marker is a special token (Mistral's)
 
 
-def plan_chat(engine: Any, body: ChatBody) -> ChatPlan:
+def plan_chat(engine: EngineAPI, body: ChatBody) -> ChatPlan:
     """The prompt and constraint for `body` on `engine`; bad messages or tools are a 400."""
     tokenizer = engine.tokenizer
     messages = [m.template_dict() for m in body.messages]

@@ -10,19 +10,22 @@ compile_queue.py), then submits a request whose grammar is cached.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING
 
 from runtime.constrain.compile_queue import CompileQueueFullError
 from runtime.protocol import GenerateRequest
 from runtime.server.errors import TooManyRequestsError
 
+if TYPE_CHECKING:
+    from runtime.engine_api import EngineAPI
 
-async def compile_ahead(engine: Any, requests: list[GenerateRequest], tenant: str) -> None:
+
+async def compile_ahead(engine: EngineAPI, requests: list[GenerateRequest], tenant: str) -> None:
     """Compile the new constraints of `requests` on `engine`'s compile queue and wait for them;
     InvalidRequestError for a bad one, TooManyRequestsError when `tenant` has its limit of
     compiles queued."""
     try:
-        futures = engine.intake.compile_ahead(requests, tenant)
+        futures = engine.compile_ahead(requests, tenant)
     except CompileQueueFullError as err:
         raise TooManyRequestsError(str(err)) from err
     if futures:

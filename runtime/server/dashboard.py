@@ -15,13 +15,16 @@ import math
 import pathlib
 import time
 from dataclasses import asdict, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
 from runtime.cache.view import CacheView
 from runtime.server.state import Server, ServerDep
+
+if TYPE_CHECKING:
+    from runtime.engine_api import EngineAPI
 
 router = APIRouter()
 
@@ -78,7 +81,7 @@ class TreeViews:
         self._key: tuple | None = None
         self._built_at = -math.inf
 
-    async def get(self, engine: Any, stats: dict) -> CacheView:
+    async def get(self, engine: EngineAPI, stats: dict) -> CacheView:
         key = tuple(stats.get(name) for name in _TREE_CHANGES)
         busy = stats.get("num_running", 0) or stats.get("num_waiting", 0)
         async with self._lock:

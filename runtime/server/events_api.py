@@ -23,7 +23,6 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from runtime.cache.events import KVEvent, KVEventsLostError, KVEventSubscription
-from runtime.errors import InvalidRequestError
 from runtime.server.state import ServerDep
 
 router = APIRouter(prefix="/v1/flowlang")
@@ -38,15 +37,8 @@ async def kv_events(
 ):
     """Stream the engine's (or one replica's) KV cache events, snapshot first, one JSON
     object per line."""
-    engine = server.engine
-    if hasattr(engine, "replica_ids"):  # a router front: it names the replica or refuses
-        subscribe = functools.partial(engine.subscribe_kv_events, replica=replica)
-    elif replica in (None, 0):
-        subscribe = engine.subscribe_kv_events
-    else:
-        raise InvalidRequestError(
-            f"this server is one engine (replica 0), not a front; got {replica}"
-        )
+    # the engine names the replica or refuses it: a router front needs one, an engine is 0
+    subscribe = functools.partial(server.engine.subscribe_kv_events, replica=replica)
     tenant = server.tenant(request)
     server.add_kv_follower(tenant)
     try:

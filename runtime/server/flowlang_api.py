@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from runtime.protocol import GenerateRequest, GraphHints, PinInfo, ScoreRequest
+from runtime.engine_api import EngineAPI
+from runtime.protocol import GenerateRequest, GraphHints, PinInfo, ScoreRequest, ScoreResult
 from runtime.scoring import Cancellation, check_score_size, num_in_flight
 from runtime.server.state import ServerDep, TenantHandle
 from runtime.server.streaming import sse, unless_gone
@@ -55,7 +56,7 @@ async def info(server: ServerDep):
 @router.post("/tokenize")
 async def tokenize(body: TokenizeBody, server: ServerDep):
     """Token ids of `text`."""
-    tokens = server.engine.intake.tokens  # validated, and off the event loop (large texts)
+    tokens = server.engine.tokens  # validated, and off the event loop (large texts)
     return {"ids": await asyncio.to_thread(tokens, body.text, body.add_special_tokens)}
 
 
@@ -90,9 +91,14 @@ async def score(body: ScoreRequest, request: Request, server: ServerDep):
     server.reserve_work(tenant, num_requests)
     cancel = Cancellation()  # a client that goes away stops its score, as it does a generate
     run = asyncio.get_running_loop().run_in_executor
-    work = asyncio.ensure_future(run(_SCORE_THREADS, server.engine.scorer.score, body, cancel))
+    work = asyncio.ensure_future(run(_SCORE_THREADS, _score_one, server.engine, body, cancel))
     work.add_done_callback(lambda _: server.release_work(tenant, num_requests))
     return (await unless_gone(request, work, cancel.cancel)).model_dump()
+
+
+def _score_one(engine: EngineAPI, body: ScoreRequest, cancel: Cancellation) -> ScoreResult:
+    (result,) = engine.score(body, cancel)
+    return result
 
 
 @router.post("/pin")

@@ -92,7 +92,7 @@ async def completions(body: CompletionBody, request: Request, server: ServerDep)
     requests, echoes = [], []
     for prompt in body.prompts():
         if isinstance(prompt, str) and not body.add_special_tokens:  # tokenized off the loop
-            prompt = await asyncio.to_thread(server.engine.intake.tokens, prompt, False)
+            prompt = await asyncio.to_thread(server.engine.tokens, prompt, False)
         echo = _prompt_text(server, prompt) if body.echo else ""
         for i in range(body.n):
             echoes.append(echo)
@@ -186,7 +186,7 @@ def _room_after(server: Server, plan: ChatPlan) -> int:
     """vLLM's default max_tokens for chat: the rest of the context after the prompt (and of
     the KV pool, where that is smaller: a request must fit in it whole)."""
     engine = server.engine
-    room = min(engine.arch.max_context_len, engine.intake.num_slots)
+    room = min(engine.arch.max_context_len, engine.num_slots)
     left = room - len(plan.prompt_ids)
     if left < 1:
         raise InvalidRequestError(
@@ -221,7 +221,7 @@ def _prompt_text(server: Server, prompt: str | list[int]) -> str:
     """What `echo` puts before a choice: the prompt's text (token prompts decoded)."""
     if isinstance(prompt, str):
         return prompt
-    server.engine.intake.validate_ids(prompt, "token id")
+    server.engine.validate_ids(prompt, "token id")
     return server.engine.tokenizer.decode(prompt)
 
 

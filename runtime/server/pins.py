@@ -8,7 +8,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from runtime.engine import Engine
+from runtime.engine_api import EngineAPI
 from runtime.errors import UnknownRequestError
 from runtime.handles import PinHandle
 from runtime.server.errors import TooManyRequestsError
@@ -27,7 +27,7 @@ class PinLeases:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineAPI,
         default_lease_seconds: float = 30.0,
         max_tokens_per_owner: int | None = None,
     ) -> None:

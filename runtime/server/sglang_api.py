@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from runtime.engine import Engine
+from runtime.engine_api import EngineAPI
 from runtime.handles import RequestHandle
 from runtime.protocol import GenerateRequest, GenerateResult, GraphHints, StreamChunk
 from runtime.server import sglang_ops
@@ -59,7 +59,7 @@ def _log_fields(body: GenerateBody) -> None:
         log.warning("/generate fields with no effect here: %s", unhonoured, extra=extra)
 
 
-async def _prompt_ids(engine: Engine, body: GenerateBody, prompts: list[Prompt]) -> dict:
+async def _prompt_ids(engine: EngineAPI, body: GenerateBody, prompts: list[Prompt]) -> dict:
     """The token ids of the prompts whose length or ids the answer needs (a default
     max_new_tokens, return_prompt_token_ids), by prompt index: tokenized in a worker thread,
     as the engine's submit tokenizes the others, so a huge text never holds the event loop."""
@@ -72,7 +72,7 @@ async def _prompt_ids(engine: Engine, body: GenerateBody, prompts: list[Prompt])
         return {}
 
     def tokenize() -> dict[int, list[int]]:
-        return {i: engine.intake.tokens(prompt, special=True) for i, prompt in wanted.items()}
+        return {i: engine.tokens(prompt, special=True) for i, prompt in wanted.items()}
 
     return await asyncio.to_thread(tokenize)
 
@@ -85,7 +85,7 @@ def _request(
     engine, prompt = server.engine, p.prompt if ids is None else ids
     max_new_tokens = p.sampling.max_new_tokens
     if max_new_tokens is None:  # SGLang: as many as fit after the prompt (ids: tokenized)
-        room = min(engine.arch.max_context_len, engine.intake.num_slots)
+        room = min(engine.arch.max_context_len, engine.num_slots)
         max_new_tokens = max(0, room - len(prompt))
     wants_prompt = p.return_logprob and (p.logprob_start_len >= 0 or max_new_tokens == 0)
     params, constraint = p.sampling.to_protocol(
@@ -178,7 +178,7 @@ class _Running:
 class _Output:
     """Outputs in SGLang's shape (text, output_ids, meta_info) for one /generate call."""
 
-    def __init__(self, engine: Engine, body: GenerateBody, prompt_ids: dict) -> None:
+    def __init__(self, engine: EngineAPI, body: GenerateBody, prompt_ids: dict) -> None:
         self.engine = engine
         self.body = body
         self.started = time.monotonic()

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Body, Request, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from runtime.engine import Engine
+from runtime.engine_api import EngineAPI
 from runtime.errors import InvalidRequestError
 from runtime.model.registry import MODELS
 from runtime.protocol import GenerateRequest, SamplingParams, ToolSpec
@@ -60,7 +60,7 @@ async def model_info(server: ServerDep):
     }
 
 
-def model_path(engine: Engine) -> str:
+def model_path(engine: EngineAPI) -> str:
     """The Hugging Face repo id of a registry model, else the name or path it was loaded by."""
     entry = MODELS.get(engine.config.model)
     return entry.hf_repo_id if entry is not None and entry.hf_repo_id else engine.config.model

@@ -15,7 +15,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from runtime.engine import Engine
+from runtime.engine_api import EngineAPI
 from runtime.errors import InvalidRequestError, UnknownRequestError
 from runtime.handles import RequestHandle
 from runtime.protocol import GenerateRequest, GenerateResult, StreamChunk
@@ -45,7 +45,7 @@ class ServerSettings:
 class Server:
     """Shared state of the routes: the engine, leases, counters, auth."""
 
-    def __init__(self, engine: Engine, settings: ServerSettings) -> None:
+    def __init__(self, engine: EngineAPI, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
         pool = engine.stats()["kv_slots_total"]

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from runtime.engine import Engine
+from runtime.engine_api import EngineAPI
 from runtime.handles import RequestHandle
 from runtime.protocol import GenerateResult
 from runtime.server.drain import Drain
@@ -43,7 +43,7 @@ class _EventStream(StreamingResponse):
 
 
 def sse(
-    engine: Engine, handles: list[RequestHandle], chunks: AsyncGenerator[str, None]
+    engine: EngineAPI, handles: list[RequestHandle], chunks: AsyncGenerator[str, None]
 ) -> StreamingResponse:
     """`chunks` as SSE `data:` frames ending in [DONE]; whatever of `handles` still runs when
     the stream stops early (client gone, error, the shutdown drain's end) is aborted. A stream
@@ -112,7 +112,7 @@ async def interleave(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[T, N
 
 
 async def wait_results(
-    request: Request, engine: Engine, handles: list[RequestHandle]
+    request: Request, engine: EngineAPI, handles: list[RequestHandle]
 ) -> list[GenerateResult]:
     """Results of `handles`, aborting them (and raising ClientGone) if the client disconnects."""
     waiter = asyncio.gather(*(h.aresult() for h in handles))
@@ -135,7 +135,7 @@ async def unless_gone(request: Request, work: asyncio.Future[T], stop: Callable[
             raise ClientGone() if gone else ShuttingDownError(STOPPED_BY_SHUTDOWN)
 
 
-def abort_unfinished(engine: Engine, handles: list[RequestHandle]) -> None:
+def abort_unfinished(engine: EngineAPI, handles: list[RequestHandle]) -> None:
     """Abort each of `handles` that has no result yet."""
     for handle in handles:
         if not handle.future.done():

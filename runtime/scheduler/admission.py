@@ -1,0 +1,168 @@
+"""Admission: which waiting requests start this step, as a sequence of small named checks.
+
+One `AdmissionPass` a step walks the queue in the schedule policy's order. Each request meets
+the checks in turn; each check lets it on (`ADMIT`), passes over it for now (`SKIP`: a later
+request may start before it), or ends the pass (`STOP`: nothing after it starts). A request
+that meets every check starts: it takes its cached prefix, its first chunk is sized within the
+step's token budget, and it runs. (mini-sglang's PrefillAdder has the same shape.)
+
+The checks, in order:
+- room to run: token budget left, fewer than max_running_requests running;
+- owner in order: an owner's later requests wait behind its first that does not fit;
+- ready to sample: its stop matching caught up, its first grammar mask ready;
+- prefilled once: no running request computes the tokens it shares beyond its cache match;
+- lower tiers ready: its chunk files are read (prefetch thread);
+- fits: free + evictable slots cover what it computes and reserves to grow, or another
+  owner's request may pass it (at most admission_patience times);
+- not deferred: graph eviction keeps what the work ahead reads soon (lookahead.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from runtime.cache.nodes import owner_of
+from runtime.scheduler.entries import BatchEntry, prefill_entry
+from runtime.scheduler.request import Req
+
+if TYPE_CHECKING:
+    from runtime.scheduler.scheduler import Scheduler
+
+
+class Verdict(Enum):
+    ADMIT = "admit"
+    SKIP = "skip"  # not now; later requests may start
+    STOP = "stop"  # not now, and nothing after it either
+
+
+ADMIT, SKIP, STOP = Verdict.ADMIT, Verdict.SKIP, Verdict.STOP
+
+
+class AdmissionPass:
+    """One step's admission over the scheduler's queue (see the module docstring)."""
+
+    def __init__(self, scheduler: Scheduler, budget: int) -> None:
+        self.s = scheduler
+        self.budget = budget
+        self.entries: list[BatchEntry] = []
+        self.reserved = sum(map(scheduler.reserved_slots, scheduler.running))
+        self.available = scheduler.kv.available_slots(self.reserved)
+        self.deferred: list[Req] = []  # passed over; each request admitted after them passes them
+        self.blocked: set[Hashable] = set()  # owners whose first waiting request does not fit
+        self.work_ahead = scheduler.lookahead.work_ahead(scheduler.running)
+
+    def run(self) -> list[BatchEntry]:
+        """The entries of the requests that start this step."""
+        s = self.s
+        for req in s.policy.order(list(s.waiting.values())):
+            verdict = self.check(req)
+            if verdict is STOP:
+                break
+            if verdict is SKIP:
+                continue
+            if not self.start(req):
+                break
+        return self.entries
+
+    def check(self, req: Req) -> Verdict:
+        """The checks in order; the first that does not admit decides."""
+        for check in (self.room_to_run, self.owner_in_order, self.ready_to_sample):
+            verdict = check(req)
+            if verdict is not ADMIT:
+                return verdict
+        self.s.prompt_logits.offer(req)  # a row kept for its whole prompt: it may match it all
+        for check in (self.prefilled_once, self.lower_tiers_ready, self.fits, self.not_deferred):
+            verdict = check(req)
+            if verdict is not ADMIT:
+                return verdict
+        return ADMIT
+
+    # ------------------------------------------------------------------ the checks
+    def room_to_run(self, req: Req) -> Verdict:
+        s = self.s
+        full = len(s.running) >= s.config.max_running_requests
+        return STOP if self.budget <= 0 or full else ADMIT
+
+    def owner_in_order(self, req: Req) -> Verdict:
+        return SKIP if owner_of(req.namespace) in self.blocked else ADMIT
+
+    def ready_to_sample(self, req: Req) -> Verdict:
+        """(A retracted request) matching its stops, or its first mask not ready: skip."""
+        if req.gen.checking_stops or not self.s.grammar.can_sample(req, admitting=True):
+            return SKIP
+        return ADMIT
+
+    def prefilled_once(self, req: Req) -> Verdict:
+        """Exact prefill-once: wait for the running request computing what it shares."""
+        s = self.s
+        if s.kv.running_computes_shared(req, s.policy.match(req).prefix_len, s.running):
+            s.counters["prefill_waits"] += 1
+            return SKIP
+        return ADMIT
+
+    def lower_tiers_ready(self, req: Req) -> Verdict:
+        s = self.s
+        if not s.lookahead.lower_ready(req, s.policy.match(req)):
+            s.counters["disk_waits"] += 1  # its chunk files are being read
+            return SKIP
+        return ADMIT
+
+    def fits(self, req: Req) -> Verdict:
+        """It fits now; else it failed as too large for the pool, or other owners' requests
+        that fit may pass it (at most `admission_patience` times: a tenant's long requests
+        never hold another's short one), or admission stops at it."""
+        s = self.s
+        need = s.need(req)
+        if need <= self.available:
+            return ADMIT
+        if not s.running and not self.entries and need > s.kv.capacity_for_one:
+            s.fail_too_large(req, need)
+            return SKIP
+        if req.num_passed >= s.config.admission_patience:
+            return STOP  # passed often enough: no later request starts before it
+        self.blocked.add(owner_of(req.namespace))  # its owner's later requests wait behind it
+        self.deferred.append(req)  # counted as passed by each request admitted after it
+        return SKIP
+
+    def not_deferred(self, req: Req) -> Verdict:
+        """Graph eviction: whether it waits so that work ahead keeps its KV."""
+        s = self.s
+        if self.work_ahead.defers(req, s.need(req), self.reserved, s.config.admission_patience):
+            s.counters["admissions_held"] += 1
+            self.deferred.append(req)
+            return SKIP
+        return ADMIT
+
+    # ------------------------------------------------------------------ starting
+    def start(self, req: Req) -> bool:
+        """Start an admitted request: take its prefix and size its first chunk. False if
+        eviction could not produce its slots after all (it waits; the pass ends)."""
+        s = self.s
+        need = s.need(req)
+        del s.waiting[req.rid]
+        s.start(req, s.policy.match(req))
+        self.available -= need
+        if req.reused_logits is not None and req.num_computed < req.num_tokens:
+            req.reused_logits = None  # the tree lost the prompt's end: compute it
+        num_new = min(req.num_tokens - req.num_computed, self.budget)
+        if num_new == 0 and req.reused_logits is not None:
+            s.running.append(req)  # samples from the kept row; computes nothing
+            self.entries.append(BatchEntry(req, 0, False, False, True))
+            self.reserved += s.reserved_slots(req)
+            return True
+        if num_new == 0:  # everything cached and no logits needed
+            s.complete(req)
+            return True
+        if not s.kv.grow(req, req.num_computed + num_new):
+            s.unstart(req)  # eviction could not produce the slots: try next step
+            return False
+        s.running.append(req)
+        self.entries.append(prefill_entry(req, num_new, s.prompt_logits.max_rows > 0))
+        self.budget -= num_new
+        self.reserved += s.reserved_slots(req)
+        self.work_ahead.admitted(req)
+        for waiting in self.deferred:
+            waiting.num_passed += 1
+        return True
