@@ -22,6 +22,7 @@ from runtime.constrain.check import (
     nests_deeper,
 )
 from runtime.constrain.probe import GrammarProbe, ProbeVerdict, compile_constraint
+from runtime.constrain.utf8_guard import Utf8Guard
 from runtime.protocol import Constraint
 
 
@@ -72,6 +73,8 @@ class GrammarCache:
         for token_id, token in getattr(tokenizer, "added_tokens_decoder", {}).items():
             if token.special and token_id not in eos_token_ids and token_id < vocab_size:
                 self.blocked[token_id] = True
+        self.utf8 = Utf8Guard(self.info.decoded_vocab, vocab_size)  # what xgrammar lets by
+        self.blocked |= self.utf8.never
         # tenant -> constraint_key -> compiled grammar, least recently used first
         self._compiled: dict[str | None, OrderedDict[str, Any]] = {}
         self._lock = threading.Lock()
@@ -300,6 +303,8 @@ def apply_constraints(logits: torch.Tensor, states: list[ConstraintState | None]
     xgr.apply_token_bitmask_inplace(sub, bitmask)
     sub.masked_fill_(grammars.blocked[:vocab], float("-inf"))
     for j, i in enumerate(rows):
+        if grammars.utf8.ends_on_lead(states[i].last_token):  # no surrogate after it
+            sub[j].masked_fill_(grammars.utf8.after_lead[:vocab], float("-inf"))
         plan = states[i].forced()
         if plan:  # a forced stretch: only its canonical next token
             keep = sub[j, plan[0]].clone()

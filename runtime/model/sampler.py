@@ -88,20 +88,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerState]) -> SampleOutput:
     want_logprobs = [r.params.logprobs or r.params.top_logprobs > 0 for r in rows]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-    penalized = [i for i, r in enumerate(rows) if r.params.needs_penalties]
-    biased = [i for i, r in enumerate(rows) if r.bias_ids is not None]
-    constrained = [r.constraint for r in rows]
-    if penalized or biased or any(c is not None for c in constrained):
-        logits = logits.clone()
-    if penalized:
-        _apply_penalties(logits, penalized, rows)
-    for i in biased:
-        logits[i].index_add_(0, rows[i].bias_ids, rows[i].bias_values)
-    if any(c is not None for c in constrained):
-        from runtime.constrain.grammar import apply_constraints
-
-        apply_constraints(logits, constrained)
-
+    logits = _adjusted(logits, rows)
     # a row fails alone: NaN logits, or a mask that leaves no token
     errors: list[str | None] = [None] * num_rows
     top = logits.amax(dim=-1)  # NaN where a row holds a NaN: amax propagates it
@@ -123,20 +110,50 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerState]) -> SampleOutput:
                 continue
             chosen[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
 
-    token_ids = chosen.tolist()
+    logprobs, tops = _logprobs_of(raw_logprobs, chosen, rows, want_logprobs)
+    return SampleOutput(chosen.tolist(), logprobs, tops, errors)
+
+
+def _adjusted(logits: torch.Tensor, rows: Sequence[SamplerState]) -> torch.Tensor:
+    """The logits after penalties, logit biases and constraints (a copy if any applies)."""
+    penalized = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    biased = [i for i, r in enumerate(rows) if r.bias_ids is not None]
+    constrained = [r.constraint for r in rows]
+    if penalized or biased or any(c is not None for c in constrained):
+        logits = logits.clone()
+    if penalized:
+        _apply_penalties(logits, penalized, rows)
+    for i in biased:
+        logits[i].index_add_(0, rows[i].bias_ids, rows[i].bias_values)
+    if any(c is not None for c in constrained):
+        from runtime.constrain.grammar import apply_constraints
+
+        apply_constraints(logits, constrained)
+    return logits
+
+
+def _logprobs_of(
+    raw_logprobs: torch.Tensor | None,
+    chosen: torch.Tensor,
+    rows: Sequence[SamplerState],
+    want_logprobs: list[bool],
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    """Each row's chosen token's raw logprob and its top alternatives, where it asks."""
+    num_rows = len(rows)
     logprobs: list[float | None] = [None] * num_rows
     tops: list[list[tuple[int, float]] | None] = [None] * num_rows
-    if raw_logprobs is not None:
-        picked = raw_logprobs.gather(1, chosen[:, None])[:, 0].tolist()
-        max_top = max(r.params.top_logprobs for r in rows)
-        top_vals, top_ids = raw_logprobs.topk(max_top, dim=-1) if max_top else (None, None)
-        for i, r in enumerate(rows):
-            if want_logprobs[i]:
-                logprobs[i] = picked[i]
-            n = r.params.top_logprobs
-            if n:
-                tops[i] = list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist(), strict=True))
-    return SampleOutput(token_ids, logprobs, tops, errors)
+    if raw_logprobs is None:
+        return logprobs, tops
+    picked = raw_logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+    max_top = max(r.params.top_logprobs for r in rows)
+    top_vals, top_ids = raw_logprobs.topk(max_top, dim=-1) if max_top else (None, None)
+    for i, r in enumerate(rows):
+        if want_logprobs[i]:
+            logprobs[i] = picked[i]
+        n = r.params.top_logprobs
+        if n:
+            tops[i] = list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist(), strict=True))
+    return logprobs, tops
 
 
 def _device_sampleable(row: SamplerState) -> bool:

@@ -64,16 +64,11 @@ class Req:
         self.hints = hints
         self.arrival = arrival
         self.status = ReqStatus.WAITING
-        # prompt logprobs: logprob of token j (given tokens < j) for every j >= logprob_start
+        # prompt logprobs: logprob of token j (given tokens < j) for every j >= logprob_start,
+        # and the top-k at each of those positions when top_logprobs asks for it
         self.logprob_start = logprob_start
-        self.prompt_logprobs: list[float | None] = (
-            [None] * len(prompt_ids) if logprob_start is not None else []
-        )
-        # and the top-k at each of those positions, when top_logprobs asks for it
-        self.prompt_top_logprobs: list[list[tuple[int, float]] | None] = (
-            [None] * len(prompt_ids)
-            if logprob_start is not None and gen.params.top_logprobs
-            else []
+        self.prompt_logprobs, self.prompt_top_logprobs = _prompt_logprob_rows(
+            len(prompt_ids), logprob_start, gen.params.top_logprobs
         )
         self.keep_last_logprobs = keep_last_logprobs  # full logprob row at the last position
         self.last_logprobs: torch.Tensor | None = None
@@ -196,6 +191,15 @@ class Req:
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def _prompt_logprob_rows(
+    num_prompt: int, logprob_start: int | None, top_logprobs: int
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    """A prompt's logprob per position and top-k per position, unset; [] when not asked."""
+    if logprob_start is None:
+        return [], []
+    return [None] * num_prompt, [None] * num_prompt if top_logprobs else []
 
 
 def check_namespace(namespace: str | None) -> None:
