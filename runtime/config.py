@@ -85,6 +85,15 @@ class EngineConfig(BaseModel):
     chunked_prefill_tokens: int = Field(
         1024, ge=16, description="prefill tokens per step (decodes are always added)"
     )
+    # a step's time is about its computed tokens: on a CPU 1,024 take ~1.5 s, which every
+    # other tenant's next token would wait for
+    shared_step_tokens: int = Field(
+        128,
+        ge=16,
+        description="prefill tokens per step while requests of more than one owner (API key) "
+        "run or wait: one tenant's long prompt or forced text then delays another's next "
+        "token by a short step (at most chunked_prefill_tokens)",
+    )
     max_running_requests: int = Field(
         256, ge=1, description="most requests running at once; later ones wait their turn"
     )

@@ -374,3 +374,48 @@ def test_an_owner_over_its_share_of_the_pool_makes_room_for_another(tiny_model_d
     assert alone_retracted == 0 and alone_took > 50  # the same owner: it waits its turn
     assert hog.output_ids == alone_hog.output_ids and len(hog.output_ids) == 100
     assert result.output_ids == alone.output_ids
+
+
+def prefill_per_step(model_dir, monkeypatch, other_namespace: str) -> list[int]:
+    """Owner "a"'s 900-token prompt beside a decoding request in `other_namespace`: the
+    tokens each engine step computed."""
+    from runtime.scheduler.scheduler import Scheduler
+
+    per_step: list[int] = []
+    schedule = Scheduler.schedule
+
+    def counted(self):
+        batch = schedule(self)
+        if batch is not None:
+            per_step.append(sum(e.num_new + len(e.draft) for e in batch.entries))
+        return batch
+
+    monkeypatch.setattr(Scheduler, "schedule", counted)
+    decoding = GenerateRequest(
+        input_ids=[5, 6, 7],
+        sampling=SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0),
+        namespace=other_namespace,
+    )
+    long_prompt = GenerateRequest(
+        input_ids=[(3 * i) % 250 + 3 for i in range(900)],
+        sampling=SamplingParams(max_new_tokens=1, temperature=0),
+        namespace="a",
+    )
+    config = EngineConfig(model=str(model_dir), max_kv_tokens=4096, chunked_prefill_tokens=512)
+    with Engine(config) as engine:
+        handle = engine.submit(decoding)
+        next(iter(handle.chunks()))  # it decodes
+        engine.submit(long_prompt).result(timeout=120)
+        handle.result(timeout=120)
+    return per_step
+
+
+def test_another_owners_long_prompt_is_computed_in_short_steps(tiny_model_dir, monkeypatch):
+    """#3 and #8's last piece: while another owner has work, a step computes at most
+    shared_step_tokens (128) prompt tokens, so one tenant's long prompt or forced text delays
+    another's next token by a short step (before: chunked_prefill_tokens, ~1.5 s on 2 cores
+    for 1,024 tokens of the default model). One owner alone keeps the long chunks."""
+    shared = prefill_per_step(tiny_model_dir, monkeypatch, "b")
+    assert max(shared) <= 128 + 1, shared  # a chunk, plus the other's token
+    alone = prefill_per_step(tiny_model_dir, monkeypatch, "a/salt")
+    assert max(alone) > 500, alone  # the same owner: full chunks

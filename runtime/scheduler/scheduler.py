@@ -46,7 +46,7 @@ from runtime.scheduler.kv import build_kv
 from runtime.scheduler.lookahead import Lookahead
 from runtime.scheduler.prompt_logits import PromptLogits
 from runtime.scheduler.request import Req, ReqKind, ReqStatus
-from runtime.scheduler.shares import fair_share_victims_of
+from runtime.scheduler.shares import fair_share_victims_of, step_tokens
 from runtime.scheduler.stats import scheduler_stats
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ class Scheduler:
         while True:
             self._ensure_decode_slots()
             decoding = [r for r in self.running if r.is_decoding]
-            budget = self.config.chunked_prefill_tokens
+            budget = step_tokens(self)
             entries = []
             for req in decoding:
                 # else: stop matching is behind (_catch_up_stops), or its mask is not ready

@@ -26,6 +26,20 @@ if TYPE_CHECKING:
     from runtime.scheduler.scheduler import Scheduler
 
 
+def step_tokens(s: Scheduler) -> int:
+    """The step's prefill budget: `shared_step_tokens` while more than one owner has work,
+    so no owner's long prompt or forced text holds another's next token for long."""
+    config = s.config
+    owners = {owner_of(r.namespace) for r in s.running}
+    for req in s.waiting.values():
+        if len(owners) > 1:
+            break
+        owners.add(owner_of(req.namespace))
+    if len(owners) > 1:
+        return min(config.chunked_prefill_tokens, config.shared_step_tokens)
+    return config.chunked_prefill_tokens
+
+
 def fair_share_victims_of(s: Scheduler) -> list[Req]:
     """The scheduler's running requests to retract before this step (fair_share_victims)."""
     if not s.waiting or not s.running:
