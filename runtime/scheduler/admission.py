@@ -31,6 +31,14 @@ if TYPE_CHECKING:
     from runtime.scheduler.scheduler import Scheduler
 
 
+def admit(scheduler: Scheduler, budget: int) -> list[BatchEntry]:
+    """The entries of the waiting requests that start this step within `budget` tokens."""
+    full = len(scheduler.running) >= scheduler.config.max_running_requests
+    if budget <= 0 or not scheduler.waiting or full:
+        return []
+    return AdmissionPass(scheduler, budget).run()
+
+
 class Verdict(Enum):
     ADMIT = "admit"
     SKIP = "skip"  # not now; later requests may start

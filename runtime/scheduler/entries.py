@@ -65,6 +65,17 @@ def decode_entry(req: Req, budget: int) -> BatchEntry:
     return BatchEntry(req, num_new, True, False, num_new == num_left)
 
 
+def decode_entries(decoding: list[Req], budget: int) -> tuple[list[BatchEntry], int]:
+    """The decoding requests' parts of a step (decode_entry), and the prefill budget their
+    forced tokens leave."""
+    entries = []
+    for req in decoding:
+        entry = decode_entry(req, budget)
+        budget -= entry.num_new - 1
+        entries.append(entry)
+    return entries, budget
+
+
 def prefill_entry(req: Req, num_new: int, pin_row: bool) -> BatchEntry:
     end = req.num_computed + num_new
     wants = end > req.first_logit_pos and (end == req.num_tokens or req.logprob_start is not None)

@@ -32,13 +32,13 @@ from runtime.cache.lower import NO_TIERS, LowerTiers
 from runtime.cache.nodes import TreePosition
 from runtime.config import EngineConfig
 from runtime.generation import StopBudget
-from runtime.scheduler.admission import AdmissionPass
+from runtime.scheduler.admission import admit
 from runtime.scheduler.drafts import make_drafter
 from runtime.scheduler.entries import (
     BatchEntry,
     ScheduledBatch,
     batch_of,
-    decode_entry,
+    decode_entries,
     prefill_entry,
 )
 from runtime.scheduler.grammar_gate import GrammarGate
@@ -46,7 +46,7 @@ from runtime.scheduler.kv import build_kv
 from runtime.scheduler.lookahead import Lookahead
 from runtime.scheduler.prompt_logits import PromptLogits
 from runtime.scheduler.request import Req, ReqKind, ReqStatus
-from runtime.scheduler.shares import fair_share_victims_of, step_tokens
+from runtime.scheduler.shares import OwnerActivity, fair_share_victims_of, step_tokens
 from runtime.scheduler.stats import scheduler_stats
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.pins: dict[str, Req] = {}
         self.kv, self.policy = build_kv(config, num_slots, tiers, self.waiting)
-        self.lookahead = Lookahead(self.kv)
+        self.lookahead, self.activity = Lookahead(self.kv), OwnerActivity()
         shares = self.kv.cache.can_share  # (a row is used with a whole-prompt hit)
         self.prompt_logits = PromptLogits(config.reuse_prompt_logits if shares else 0)
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
@@ -85,6 +85,7 @@ class Scheduler:
         req.status = ReqStatus.WAITING
         self.waiting[req.rid] = req
         self.lookahead.arrived(req)
+        self.activity.saw(req)
         self.grammar.start(req)  # its first mask, filled while it waits
         if req.deadline is not None:  # a retracted request comes back: a second entry is inert
             heapq.heappush(self._deadlines, (req.deadline, req.arrival, req))
@@ -113,7 +114,9 @@ class Scheduler:
         self.grammar.prepare([r for r in self.running if r.is_decoding])
         stop_budget = StopBudget()  # one for the step: catching up and sampling share it
         self._catch_up_stops(stop_budget)
-        self._keep_shares()
+        for req in fair_share_victims_of(self):  # owners over their share make room
+            self.back_to_waiting(req)
+            self.counters["share_retractions"] += 1
         entries = self._schedule_entries()
         if not entries:
             if not self._checking:
@@ -130,25 +133,26 @@ class Scheduler:
         while True:
             self._ensure_decode_slots()
             decoding = [r for r in self.running if r.is_decoding]
-            budget = step_tokens(self)
-            entries = []
-            for req in decoding:
-                # else: stop matching is behind (_catch_up_stops), or its mask is not ready
-                if not req.gen.checking_stops and self.grammar.can_sample(req):
-                    entry = decode_entry(req, budget)
-                    budget -= entry.num_new - 1
-                    entries.append(entry)
-            num_deferred = len(decoding) - len(entries)
-            if len(entries) <= self.config.spec_max_batch:
-                entries = self.drafter.attach(entries, self.running, self.grammar, self.kv)
-            for req in [r for r in self.running if not r.is_decoding]:
+            prefilling = [r for r in self.running if not r.is_decoding]
+            budget, shared = step_tokens(self)
+            # owners taking turns: waiting requests start before running ones take the budget
+            entries = admit(self, budget) if shared else []
+            budget -= sum(e.num_new for e in entries)
+            # else: stop matching is behind (_catch_up_stops), or its mask is not ready
+            ready = [r for r in decoding if not r.gen.checking_stops and self.grammar.can_sample(r)]
+            decodes, budget = decode_entries(ready, budget)
+            num_deferred = len(decoding) - len(decodes)
+            if len(decodes) <= self.config.spec_max_batch:
+                decodes = self.drafter.attach(decodes, self.running, self.grammar, self.kv)
+            entries += decodes
+            for req in prefilling:
                 num_new = min(req.num_tokens - req.num_computed, budget)
                 if num_new <= 0 or not self.kv.grow(req, req.num_computed + num_new):
                     break
                 entries.append(prefill_entry(req, num_new, self.prompt_logits.max_rows > 0))
                 budget -= num_new
-            if budget > 0 and self.waiting and len(self.running) < self.config.max_running_requests:
-                entries += AdmissionPass(self, budget).run()
+            if not shared:
+                entries += admit(self, budget)
             if entries or not self.running or num_deferred:
                 return entries  # (none while decodes wait for masks: they will run soon)
             # only prefills that cannot get memory: make room by retracting, or fail the last
@@ -235,22 +239,16 @@ class Scheduler:
     def retract(self, req: Req) -> None:
         """Back to waiting, keeping its computed KV in the tree (unlocked) for its return;
         growth was underestimated: reserve more from now on."""
-        self._back_to_waiting(req)
+        self.back_to_waiting(req)
         self.counters["retractions"] += 1
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
 
-    def _back_to_waiting(self, req: Req) -> None:
+    def back_to_waiting(self, req: Req) -> None:
         self.running.remove(req)
         self.release(req, insert=True)
         req.num_retractions += 1
         req.match_pos = None  # its tokens changed since the last match
         self.add(req)
-
-    def _keep_shares(self) -> None:
-        """Before the step: owners over their share of the pool make room (shares.py)."""
-        for req in fair_share_victims_of(self):
-            self._back_to_waiting(req)
-            self.counters["share_retractions"] += 1
 
     def need(self, req: Req) -> int:
         """Slots admitting `req` promises: what it computes and reserves to grow."""

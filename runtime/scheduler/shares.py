@@ -15,6 +15,7 @@ reserve admission counts): the same units as admission's `need`.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
@@ -26,18 +27,40 @@ if TYPE_CHECKING:
     from runtime.scheduler.scheduler import Scheduler
 
 
-def step_tokens(s: Scheduler) -> int:
-    """The step's prefill budget: `shared_step_tokens` while more than one owner has work,
-    so no owner's long prompt or forced text holds another's next token for long."""
+# an owner whose request arrived this recently counts as active: a step already under way when
+# its next request comes cannot be cut short, so steps stay short while tenants take turns
+ACTIVE_OWNER_S = 10.0
+
+
+class OwnerActivity:
+    """When each owner's latest request arrived (at most the owners active within
+    ACTIVE_OWNER_S, and the one that just came)."""
+
+    def __init__(self) -> None:
+        self._last_s: dict[Hashable, float] = {}
+
+    def saw(self, req: Req) -> None:
+        owner, now_s = owner_of(req.namespace), time.monotonic()
+        self._last_s.pop(owner, None)
+        self._last_s[owner] = now_s  # (insertion order: the stalest first)
+        while next(iter(self._last_s.values())) < now_s - ACTIVE_OWNER_S:
+            del self._last_s[next(iter(self._last_s))]
+
+    def num_active(self) -> int:
+        """Owners whose requests arrived within ACTIVE_OWNER_S."""
+        since_s = time.monotonic() - ACTIVE_OWNER_S
+        return sum(1 for last_s in self._last_s.values() if last_s >= since_s)
+
+
+def step_tokens(s: Scheduler) -> tuple[int, bool]:
+    """The step's prefill budget, and whether owners share the step: `shared_step_tokens`
+    while more than one owner is active (their requests arrived within ACTIVE_OWNER_S), so no
+    owner's long prompt or forced text holds another's next token for long;
+    `chunked_prefill_tokens` for one owner."""
     config = s.config
-    owners = {owner_of(r.namespace) for r in s.running}
-    for req in s.waiting.values():
-        if len(owners) > 1:
-            break
-        owners.add(owner_of(req.namespace))
-    if len(owners) > 1:
-        return min(config.chunked_prefill_tokens, config.shared_step_tokens)
-    return config.chunked_prefill_tokens
+    if s.activity.num_active() > 1:
+        return min(config.chunked_prefill_tokens, config.shared_step_tokens), True
+    return config.chunked_prefill_tokens, False
 
 
 def fair_share_victims_of(s: Scheduler) -> list[Req]:
