@@ -88,7 +88,7 @@ class EngineConfig(BaseModel):
     # a step's time is about its computed tokens: on a CPU 1,024 take ~1.5 s, which every
     # other tenant's next token would wait for
     shared_step_tokens: int = Field(
-        128,
+        64,
         ge=16,
         description="prefill tokens per step while requests of more than one owner (API key) "
         "run or wait: one tenant's long prompt or forced text then delays another's next "
