@@ -149,8 +149,8 @@ def test_chunk_files_are_read_off_the_loop_thread(tmp_path, monkeypatch, host_kv
     """#8, the last part: a restart that answers from disk reads every chunk file on the
     prefetch thread (before: admission read them on the engine's loop thread, so a slow or
     hostile file held every tenant's step), with or without host memory to read them into;
-    admission waits for them and loads them, so the answer is the same and nothing of the
-    prompt's whole chunks is computed."""
+    admission waits for them (if the queue's prefetch has not read them already) and loads
+    them, so the answer is the same and nothing of the prompt's whole chunks is computed."""
     settings = {
         "model": "random:tiny",
         "max_kv_tokens": 512,
@@ -172,12 +172,10 @@ def test_chunk_files_are_read_off_the_loop_thread(tmp_path, monkeypatch, host_kv
     monkeypatch.setattr(DiskTier, "read", recorded)
     with Engine(EngineConfig(**settings)) as engine:
         [warm] = engine.generate(request)
-        waits = engine.stats()["disk_waits_total"]
         chunk_tokens = engine.tiers.chunk_tokens
     assert warm.output_ids == cold.output_ids
     assert warm.loaded_tokens == len(PROMPT) // chunk_tokens * chunk_tokens > 0
     assert readers and set(readers) == {"kv-prefetch"}, readers
-    assert waits >= 1  # admission waited for the reads, once at least
 
 
 # ---------------------------------------------------------------- #9: weights by content
