@@ -113,16 +113,21 @@ def test_a_symlink_or_a_directory_under_a_chunk_name_is_a_miss(tmp_path):
     assert elsewhere.is_file()  # the link's target is left alone
 
 
-def test_a_fifo_on_disk_does_not_hang_the_engine(tmp_path):
-    """The engine reads chunk files on its loop thread: a FIFO there held every tenant (now it
-    is not even taken for a chunk: only regular files are)."""
-    settings = {
+def disk_engine_settings(disk_dir: Path) -> dict:
+    """A tiny engine writing its KV through to chunk files in `disk_dir`."""
+    return {
         "model": "random:tiny",
         "max_kv_tokens": 512,
         "attention_backend": "torch",
-        "disk_kv_dir": str(tmp_path),
+        "disk_kv_dir": str(disk_dir),
         "kv_write_policy": "write_through",
     }
+
+
+def test_a_fifo_on_disk_does_not_hang_the_engine(tmp_path):
+    """The engine reads chunk files on its loop thread: a FIFO there held every tenant (now it
+    is not even taken for a chunk: only regular files are)."""
+    settings = disk_engine_settings(tmp_path)
     request = GenerateRequest(input_ids=PROMPT, sampling=GREEDY)
     with Engine(EngineConfig(**settings)) as engine:
         [cold] = engine.generate(request)
@@ -151,14 +156,7 @@ def test_chunk_files_are_read_off_the_loop_thread(tmp_path, monkeypatch, host_kv
     hostile file held every tenant's step), with or without host memory to read them into;
     admission waits for them (if the queue's prefetch has not read them already) and loads
     them, so the answer is the same and nothing of the prompt's whole chunks is computed."""
-    settings = {
-        "model": "random:tiny",
-        "max_kv_tokens": 512,
-        "attention_backend": "torch",
-        "disk_kv_dir": str(tmp_path),
-        "kv_write_policy": "write_through",
-        "host_kv_gb": host_kv_gb,
-    }
+    settings = {**disk_engine_settings(tmp_path), "host_kv_gb": host_kv_gb}
     request = GenerateRequest(input_ids=PROMPT, sampling=GREEDY)
     with Engine(EngineConfig(**settings)) as engine:
         [cold] = engine.generate(request)

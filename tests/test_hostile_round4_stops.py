@@ -215,9 +215,8 @@ def test_jump_forward_text_never_holds_the_engine_thread(tiny_model_dir, monkeyp
     forced_past_heavy_stops(tiny_model_dir, monkeypatch, forced, 2, max_new_tokens=2000)
 
 
-def forced_run(model_dir, monkeypatch, chunk_tokens: int) -> tuple[list, list[int]]:
-    """Two requests whose grammar forces 1,500 characters (jump-forward): their results and
-    the tokens each engine step computed."""
+def tokens_per_step(monkeypatch) -> list[int]:
+    """The tokens each engine step computes (filled as engines run)."""
     from runtime.scheduler.scheduler import Scheduler
 
     per_step: list[int] = []
@@ -230,6 +229,13 @@ def forced_run(model_dir, monkeypatch, chunk_tokens: int) -> tuple[list, list[in
         return batch
 
     monkeypatch.setattr(Scheduler, "schedule", counted)
+    return per_step
+
+
+def forced_run(model_dir, monkeypatch, chunk_tokens: int) -> tuple[list, list[int]]:
+    """Two requests whose grammar forces 1,500 characters (jump-forward): their results and
+    the tokens each engine step computed."""
+    per_step = tokens_per_step(monkeypatch)
     forced = "The quick brown fox jumps over the lazy dog. " * 33
     requests = [
         GenerateRequest(
@@ -379,18 +385,7 @@ def test_an_owner_over_its_share_of_the_pool_makes_room_for_another(tiny_model_d
 def prefill_per_step(model_dir, monkeypatch, other_namespace: str) -> list[int]:
     """Owner "a"'s 900-token prompt beside a decoding request in `other_namespace`: the
     tokens each engine step computed."""
-    from runtime.scheduler.scheduler import Scheduler
-
-    per_step: list[int] = []
-    schedule = Scheduler.schedule
-
-    def counted(self):
-        batch = schedule(self)
-        if batch is not None:
-            per_step.append(sum(e.num_new + len(e.draft) for e in batch.entries))
-        return batch
-
-    monkeypatch.setattr(Scheduler, "schedule", counted)
+    per_step = tokens_per_step(monkeypatch)
     decoding = GenerateRequest(
         input_ids=[5, 6, 7],
         sampling=SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0),
