@@ -115,14 +115,9 @@ def huge_chunk(target: Target) -> dict:
     with open(files[0], "wb") as file:
         file.truncate(HUGE_BYTES)
     peak_before = rss_mb(target.pid, "VmHWM")
-    out: dict = {}
-    thread = threading.Thread(target=lambda: out.update(r=greedy(url, _prompt(5000), "a")))
-    target.health()
-    thread.start()
-    victim_s = watch_victim(url, thread.is_alive)
-    thread.join(timeout=60)
+    answer, victim_s = _owner_asks_while_b_probes(target, _prompt(5000))
     grew = rss_mb(target.pid, "VmHWM") - peak_before
-    same = out.get("r") == fresh
+    same = answer == fresh
     outcome = f"answer {'identical' if same else 'differs'}, peak RSS +{grew:.0f} MB"
     return {
         "outcome": outcome,
@@ -168,17 +163,23 @@ def cold_prompt(target: Target) -> dict:
     """Control for #8: its owner sends a 600-token prompt nothing holds (no chunk file, not
     cached) while tenant B probes: what B waits behind any tenant's prompt being computed, as
     a bad chunk file's prompt is (the refused file costs its owner that recomputation)."""
-    url = target.url
-    flush(url)
-    out: dict = {}
-    thread = threading.Thread(target=lambda: out.update(r=greedy(url, _prompt(9000), "a")))
-    target.health()
-    thread.start()
-    victim_s = watch_victim(url, thread.is_alive)
-    thread.join(timeout=60)
-    answered = isinstance(out.get("r"), tuple) and out["r"][0] != "status"
+    flush(target.url)
+    answer, victim_s = _owner_asks_while_b_probes(target, _prompt(9000))
+    answered = isinstance(answer, tuple) and answer[0] != "status"
     return {"outcome": "owner's request answered" if answered else "not answered",
             "expected": answered, "victim_s": victim_s, "health_s": target.health()}  # fmt: skip
+
+
+def _owner_asks_while_b_probes(target: Target, ids: list[int]) -> tuple[object, float]:
+    """Tenant A's greedy answer after `ids` (None if none came within 60 s), and tenant B's
+    slowest probe meanwhile."""
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(r=greedy(target.url, ids, "a")))
+    target.health()
+    thread.start()
+    victim_s = watch_victim(target.url, thread.is_alive)
+    thread.join(timeout=60)
+    return out.get("r"), victim_s
 
 
 def _unblock(fifo: Path) -> int:

@@ -139,7 +139,10 @@ class Lookahead:
         """Are the chunk files that continue this match read (on the prefetch thread: the
         loop thread never reads a file), or has it waited DISK_WAIT_S for them (then what is
         not read is computed)?"""
-        tiers, ids, start = self.kv.tiers, req.all_ids, position.prefix_len
+        tiers = self.kv.tiers
+        if not tiers.keeps_evicted:
+            return True  # nothing below the pool (NoTiers): no prompt copy every step
+        ids, start = req.all_ids, position.prefix_len
         extent = tiers.extent(req.namespace, ids, start, req.match_limit, req.chunk_names)
         if tiers.ready(extent):
             self._disk_waits.pop(req.rid, None)
@@ -150,11 +153,6 @@ class Lookahead:
     def work_ahead(self, running: list[Req]) -> WorkAhead | NoWorkAhead:
         """One admission pass's view of the work ahead (graph eviction), or none."""
         return WorkAhead(self, running) if self.keeps_wanted else NoWorkAhead()
-
-    @property
-    def num_remembered_branches(self) -> tuple[int, int]:
-        """(paused right away, declared returns) remembered now (tests, metrics)."""
-        return len(self.paused_branches), len(self.returning)
 
 
 class NoWorkAhead:
