@@ -85,14 +85,15 @@ class EngineConfig(BaseModel):
     chunked_prefill_tokens: int = Field(
         1024, ge=16, description="prefill tokens per step (decodes are always added)"
     )
-    # a step's time is about its computed tokens: on a CPU 1,024 take ~1.5 s, which every
-    # other tenant's next token would wait for
-    shared_step_tokens: int = Field(
-        64,
-        ge=16,
-        description="prefill tokens per step while requests of more than one owner (API key) "
-        "run or wait: one tenant's long prompt or forced text then delays another's next "
-        "token by a short step (at most chunked_prefill_tokens)",
+    # a step's time is about its computed tokens: on 2 CPU cores 1,024 take ~1.5 s (64 ~0.15 s),
+    # which every other tenant's next token would wait for; on a GPU either is milliseconds
+    shared_step_ms: float = Field(
+        80.0,
+        ge=10,
+        description="target length of a step while requests of more than one owner (API key) "
+        "run or wait: its prompt and forced tokens are as many as the measured step cost fits "
+        "(at least 16, at most chunked_prefill_tokens), so one tenant's long prompt or forced "
+        "text delays another's next token by a short step",
     )
     max_running_requests: int = Field(
         256, ge=1, description="most requests running at once; later ones wait their turn"

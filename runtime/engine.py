@@ -103,7 +103,7 @@ class Engine(EngineCommon):
     def _run_one_by_one(self, batch: ScheduledBatch) -> None:
         """After a failed forward: each request's part alone; those that fail again fail."""
         for entry in batch.entries:
-            single = batch_of([entry])
+            single = batch_of([entry], batch.max_forced_tokens)
             try:
                 logits = None if single.forward is None else self.runner.forward(single.forward)
             except Exception as err:  # noqa: BLE001 - this request's own failure

@@ -177,13 +177,13 @@ class GenerationState:
         if len(self.output_ids) >= self.params.max_new_tokens:
             self.finish("length")
 
-    def jump_forward(self) -> int:
-        """Append what the grammar forces next (the next step computes it as one extend);
-        return how many tokens were forced."""
+    def jump_forward(self, max_tokens: int) -> int:
+        """Append what the grammar forces next, at most `max_tokens` of it (the next step
+        computes it as one extend); return how many tokens were forced."""
         if self.constraint is None or self.finished:
             return 0
         num_forced = 0
-        for token_id in self.constraint.jump_forward():
+        for token_id in self.constraint.jump_forward(max_tokens):
             self.append(token_id, forced=True)
             num_forced += 1
             if self.finished:

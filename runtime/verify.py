@@ -44,7 +44,10 @@ def apply_logits(
     batch: ScheduledBatch, logits: torch.Tensor | None, jump_forward: bool
 ) -> list[EntryOutcome]:
     """logits (num_logit_rows, vocab): the forward pass's rows in entry order (None without
-    one) -> one outcome per entry. Entries that reuse kept logits come last, a row each."""
+    one) -> one outcome per entry. Entries that reuse kept logits come last, a row each.
+    With `jump_forward`, a sampled token is followed by what the grammar forces next, at most
+    the batch's max_forced_tokens of it (the rest follows next step)."""
+    max_forced = batch.max_forced_tokens if jump_forward else 0
     reused = [e.req.reused_logits for e in batch.entries if e.reuses_logits]
     if reused:
         kept = torch.stack(reused)  # (num_reused, vocab)
@@ -63,7 +66,7 @@ def apply_logits(
             continue
         if req.kind is ReqKind.GENERATE:
             if entry.draft:
-                _verify(entry, logits[first_row:row], outcome, jump_forward)
+                _verify(entry, logits[first_row:row], outcome, max_forced)
             else:
                 plain.append((req, row - 1, outcome))
                 if entry.num_new and start + entry.num_new == len(req.prompt_ids):
@@ -73,24 +76,22 @@ def apply_logits(
         elif req.kind is ReqKind.PIN and entry.wants_logits:
             outcome.prompt_logits = logits[row - 1]
     if plain:
-        _sample_plain(plain, logits, jump_forward)
+        _sample_plain(plain, logits, max_forced)
     return outcomes
 
 
 def _sample_plain(
-    plain: list[tuple[Req, int, EntryOutcome]], logits: torch.Tensor, jump_forward: bool
+    plain: list[tuple[Req, int, EntryOutcome]], logits: torch.Tensor, max_forced: int
 ) -> None:
     out = sample(logits[[r for _, r, _ in plain]], [req.gen.sampler for req, _, _ in plain])
     for i, (req, _, outcome) in enumerate(plain):
         if out.errors[i] is not None:
             outcome.error = out.errors[i]
             continue
-        _append(req, out.token_ids[i], out.logprobs[i], out.top_logprobs[i], outcome, jump_forward)
+        _append(req, out.token_ids[i], out.logprobs[i], out.top_logprobs[i], outcome, max_forced)
 
 
-def _verify(
-    entry: BatchEntry, rows: torch.Tensor, outcome: EntryOutcome, jump_forward: bool
-) -> None:
+def _verify(entry: BatchEntry, rows: torch.Tensor, outcome: EntryOutcome, max_forced: int) -> None:
     """rows (len(draft) + 1, vocab): sample in order, stop at the first miss."""
     gen, draft = entry.req.gen, entry.draft
     params = gen.sampler.params
@@ -111,7 +112,7 @@ def _verify(
                 outcome.error = out.errors[0]
                 return
             token, logprob, top = out.token_ids[0], out.logprobs[0], out.top_logprobs[0]
-        if not _append(entry.req, token, logprob, top, outcome, jump_forward):
+        if not _append(entry.req, token, logprob, top, outcome, max_forced):
             return
         if j == len(draft) or token != draft[j]:
             return
@@ -126,13 +127,14 @@ def _append(
     logprob: float | None,
     top: list[tuple[int, float]] | None,
     outcome: EntryOutcome,
-    jump_forward: bool,
+    max_forced: int,
 ) -> bool:
-    """One sampled token into the request's output (stop rules, grammar); False on failure."""
+    """One sampled token into the request's output (stop rules, grammar), then at most
+    `max_forced` tokens the grammar forces after it; False on failure."""
     try:
         req.gen.append(token, logprob, top)
-        if jump_forward:
-            outcome.num_forced += req.gen.jump_forward()
+        if max_forced:
+            outcome.num_forced += req.gen.jump_forward(max_forced)
     except Exception as err:  # noqa: BLE001 - this request's own failure, not the step's
         outcome.error, outcome.error_kind = f"output processing failed: {err}", "internal"
         return False

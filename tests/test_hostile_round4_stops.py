@@ -232,10 +232,11 @@ def tokens_per_step(monkeypatch) -> list[int]:
     return per_step
 
 
-def forced_run(model_dir, monkeypatch, chunk_tokens: int) -> tuple[list, list[int]]:
-    """Two requests whose grammar forces 1,500 characters (jump-forward): their results and
-    the tokens each engine step computed."""
-    per_step = tokens_per_step(monkeypatch)
+def forced_run(model_dir, monkeypatch, chunk_tokens: int) -> tuple[list, list[int], list[int]]:
+    """Two requests whose grammar forces 1,500 characters (jump-forward): their results, the
+    tokens each engine step computed and the tokens each jump-forward appended."""
+    from runtime.generation import GenerationState
+
     forced = "The quick brown fox jumps over the lazy dog. " * 33
     requests = [
         GenerateRequest(
@@ -248,20 +249,32 @@ def forced_run(model_dir, monkeypatch, chunk_tokens: int) -> tuple[list, list[in
     config = EngineConfig(
         model=str(model_dir), max_kv_tokens=8192, chunked_prefill_tokens=chunk_tokens
     )
-    with Engine(config) as engine:
-        results = engine.generate(requests)
-    return results, per_step
+    with monkeypatch.context() as patch:  # this run's counts only
+        per_step = tokens_per_step(patch)
+        per_jump: list[int] = []
+        jump_forward = GenerationState.jump_forward
+
+        def counted(self, max_tokens: int) -> int:
+            per_jump.append(jump_forward(self, max_tokens))
+            return per_jump[-1]
+
+        patch.setattr(GenerationState, "jump_forward", counted)
+        with Engine(config) as engine:
+            results = engine.generate(requests)
+    return results, per_step, per_jump
 
 
 def test_forced_tokens_are_computed_in_chunks_with_the_same_output(tiny_model_dir, monkeypatch):
-    """A jump-forward's hundreds of forced tokens go through the forward in chunks of the
-    step's prefill budget, as a prompt does (before: all of them in one pass, which held
-    every other request's step for seconds on the default model), and the output is what
-    one pass gives."""
-    whole, whole_steps = forced_run(tiny_model_dir, monkeypatch, 4096)
-    chunked, chunked_steps = forced_run(tiny_model_dir, monkeypatch, 64)
-    assert max(whole_steps) > 300  # the forced string in one pass
+    """A jump-forward's hundreds of forced tokens are appended and go through the forward in
+    chunks of the step's prefill budget, as a prompt does (before: all appended in one step,
+    grammar and stop checks of thousands of tokens at once, and computed in one pass, which
+    held every other request's step for seconds on the default model), and the output is what
+    one pass gives: sampled at temperature 1, as a forced token is taken, not drawn."""
+    whole, whole_steps, whole_jumps = forced_run(tiny_model_dir, monkeypatch, 4096)
+    chunked, chunked_steps, chunked_jumps = forced_run(tiny_model_dir, monkeypatch, 64)
+    assert max(whole_steps) > 300 and max(whole_jumps) > 300  # the forced string at once
     assert max(chunked_steps) <= 64 + 2, chunked_steps  # a chunk, plus the other's token
+    assert max(chunked_jumps) <= 64 and len(chunked_jumps) > 10, chunked_jumps
     for a, b in zip(whole, chunked, strict=True):
         assert (a.output_ids, a.text, a.finish_reason) == (b.output_ids, b.text, b.finish_reason)
 
@@ -384,8 +397,15 @@ def test_an_owner_over_its_share_of_the_pool_makes_room_for_another(tiny_model_d
 
 def prefill_per_step(model_dir, monkeypatch, other_namespace: str) -> list[int]:
     """Owner "a"'s 900-token prompt beside a decoding request in `other_namespace`: the
-    tokens each engine step computed."""
+    tokens each engine step computed, on a machine where a step costs 40 ms plus 2 ms a token
+    (each step's measured time replaced by that)."""
+    from runtime.scheduler.step_time import StepTime
+
     per_step = tokens_per_step(monkeypatch)
+    observe = StepTime.observe
+    monkeypatch.setattr(
+        StepTime, "observe", lambda self, tokens, _s: observe(self, tokens, 0.040 + 0.002 * tokens)
+    )
     decoding = GenerateRequest(
         input_ids=[5, 6, 7],
         sampling=SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0),
@@ -396,7 +416,9 @@ def prefill_per_step(model_dir, monkeypatch, other_namespace: str) -> list[int]:
         sampling=SamplingParams(max_new_tokens=1, temperature=0),
         namespace="a",
     )
-    config = EngineConfig(model=str(model_dir), max_kv_tokens=4096, chunked_prefill_tokens=512)
+    config = EngineConfig(
+        model=str(model_dir), max_kv_tokens=4096, chunked_prefill_tokens=512, shared_step_ms=80
+    )
     with Engine(config) as engine:
         handle = engine.submit(decoding)
         next(iter(handle.chunks()))  # it decodes
@@ -406,11 +428,17 @@ def prefill_per_step(model_dir, monkeypatch, other_namespace: str) -> list[int]:
 
 
 def test_another_owners_long_prompt_is_computed_in_short_steps(tiny_model_dir, monkeypatch):
-    """#3 and #8's last piece: while another owner has work, a step computes at most
-    shared_step_tokens (64) prompt tokens, so one tenant's long prompt or forced text delays
-    another's next token by a short step (before: chunked_prefill_tokens, ~1.5 s on 2 cores
-    for 1,024 tokens of the default model). One owner alone keeps the long chunks."""
+    """#3 and #8's last piece: while another owner has work, a step computes what fits in
+    shared_step_ms (80 ms) by the measured step cost (here 40 ms + 2 ms a token: 20 tokens),
+    so one tenant's long prompt or forced text delays another's next token by a short step
+    (before: chunked_prefill_tokens, ~1.5 s on 2 cores for 1,024 tokens of the default model).
+    The first steps, before the cost is known, take 64. One owner alone keeps long chunks."""
     shared = prefill_per_step(tiny_model_dir, monkeypatch, "b")
     assert max(shared) <= 64 + 1, shared  # a chunk, plus the other's token
+    chunks = [n for n in shared if n > 3]  # (the decoding request's prompt: 3 tokens)
+    learned = next(i for i, n in enumerate(chunks) if n <= 20 + 1)  # once steps taught the cost
+    measured = chunks[learned:]
+    assert learned <= 6 and len(measured) > 30, shared
+    assert max(measured) <= 20 + 1 and min(measured[:-1]) >= 19, shared
     alone = prefill_per_step(tiny_model_dir, monkeypatch, "a/salt")
     assert max(alone) > 500, alone  # the same owner: full chunks

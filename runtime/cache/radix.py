@@ -495,8 +495,6 @@ class RadixCache:
                 stack.extend(node.children.values())
 
 
-
-
 def _cat(values: list[torch.Tensor]) -> torch.Tensor:
     if not values:
         return EMPTY_SLOTS

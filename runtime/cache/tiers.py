@@ -274,10 +274,10 @@ class KVTiers:
         with self.lock:
             rows = [(n, row) for n, row in self.host.items() if n not in self._tail_of]
         for name, row in rows:
-                if written < room and self.disk.writable and not self.disk.contains(name):
-                    with self.lock:
-                        data = self.host.data[row].clone()
-                    written += self.disk.write(name, data)
+            if written < room and self.disk.writable and not self.disk.contains(name):
+                with self.lock:
+                    data = self.host.data[row].clone()
+                written += self.disk.write(name, data)
         return written
 
     # ------------------------------------------------------------------ up
@@ -357,9 +357,7 @@ class KVTiers:
             unread = [
                 name
                 for name in extent.names
-                if name not in self.host
-                and name not in self._staged
-                and name not in self._pending
+                if name not in self.host and name not in self._staged and name not in self._pending
             ]
             del unread[self._staged.capacity_chunks :]
         self._read_ahead(unread, into_host=False)

@@ -273,9 +273,10 @@ class ConstraintState:
                 self.plan = ids
         return self.plan
 
-    def jump_forward(self) -> list[int]:
-        """Accept the whole plan now and return it (the caller appends it as forced tokens)."""
-        ids = list(self.forced())
+    def jump_forward(self, max_tokens: int) -> list[int]:
+        """Accept the plan's first `max_tokens` now and return them (the caller appends them
+        as forced tokens; the rest of the plan stays the plan)."""
+        ids = self.forced()[:max_tokens]
         for count, token_id in enumerate(ids):
             if not self.accept(token_id):
                 with self._lock:

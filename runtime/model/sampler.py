@@ -95,12 +95,14 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerState]) -> SampleOutput:
     for i in (torch.isnan(top) | (top == -torch.inf)).nonzero():
         errors[int(i)] = NO_TOKEN
     chosen = torch.zeros(num_rows, dtype=torch.int64)
-    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy and errors[i] is None]
+    # a token the grammar forces is taken, not drawn: the row's generator then draws the same
+    # numbers whether forced text comes by jump-forward (in chunks of any size) or token by token
+    greedy = [i for i, r in enumerate(rows) if _takes_argmax(r) and errors[i] is None]
     if len(greedy) == num_rows:  # a batch of greedy rows: no copy of the logits
         chosen = logits.argmax(dim=-1)
     elif greedy:
         chosen[greedy] = logits[greedy].argmax(dim=-1)
-    sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy and errors[i] is None]
+    sampled = [i for i, r in enumerate(rows) if not _takes_argmax(r) and errors[i] is None]
     if sampled:
         probs = _filtered_probs(logits[sampled], [rows[i].params for i in sampled])
         valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)  # (num_sampled,)
@@ -112,6 +114,11 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerState]) -> SampleOutput:
 
     logprobs, tops = _logprobs_of(raw_logprobs, chosen, rows, want_logprobs)
     return SampleOutput(chosen.tolist(), logprobs, tops, errors)
+
+
+def _takes_argmax(row: SamplerState) -> bool:
+    """Greedy, or its grammar forces the next token (its mask left that one alone)."""
+    return row.params.is_greedy or (row.constraint is not None and bool(row.constraint.forced()))
 
 
 def _adjusted(logits: torch.Tensor, rows: Sequence[SamplerState]) -> torch.Tensor:

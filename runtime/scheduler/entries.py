@@ -36,9 +36,13 @@ class BatchEntry:
 class ScheduledBatch:
     entries: list[BatchEntry]  # those that compute first (rows in order), then reused rows'
     forward: ForwardBatch | None  # None when every entry reuses kept logits
+    # a jump-forward appends at most this many forced tokens a request (the step's token
+    # budget: no more can be computed next step; appending thousands at once would take the
+    # step's time in grammar and stop checks)
+    max_forced_tokens: int
 
 
-def batch_of(entries: list[BatchEntry]) -> ScheduledBatch:
+def batch_of(entries: list[BatchEntry], max_forced_tokens: int) -> ScheduledBatch:
     """The forward batch for `entries` (their slots are already allocated); entries that
     reuse kept logits compute nothing and go last."""
     computed = [e for e in entries if not e.reuses_logits]
@@ -52,7 +56,8 @@ def batch_of(entries: list[BatchEntry]) -> ScheduledBatch:
             [e.req.slots[: e.req.num_computed + e.num_new + len(e.draft)] for e in computed],
             logit_tails=[e.num_logit_rows for e in computed],
         )
-    return ScheduledBatch(computed + [e for e in entries if e.reuses_logits], forward)
+    reused = [e for e in entries if e.reuses_logits]
+    return ScheduledBatch(computed + reused, forward, max_forced_tokens)
 
 
 def decode_entry(req: Req, budget: int) -> BatchEntry:

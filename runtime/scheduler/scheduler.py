@@ -48,6 +48,7 @@ from runtime.scheduler.prompt_logits import PromptLogits
 from runtime.scheduler.request import Req, ReqKind, ReqStatus
 from runtime.scheduler.shares import OwnerActivity, fair_share_victims_of, step_tokens
 from runtime.scheduler.stats import scheduler_stats
+from runtime.scheduler.step_time import StepTime
 
 if TYPE_CHECKING:
     from runtime.verify import EntryOutcome
@@ -79,6 +80,8 @@ class Scheduler:
         self._checking: dict[str, Req] = {}  # stop_regex matching behind: catching up
         self.grammar = GrammarGate(config.grammar_step_budget_ms, config.grammar_mask_threads)
         self.drafter = make_drafter(config, self.kv.token_index)
+        self.step_time = StepTime()  # what a computed token costs: shared steps' length
+        self._step_budget = config.chunked_prefill_tokens  # this step's tokens (step_tokens)
 
     # ------------------------------------------------------------------ intake
     def add(self, req: Req) -> None:
@@ -127,7 +130,7 @@ class Scheduler:
         self.counters["steps"] += 1
         used = self.kv.allocator.num_used_slots
         self.counters["peak_used_slots"] = max(self.counters["peak_used_slots"], used)
-        return batch_of(entries)
+        return batch_of(entries, self._step_budget)
 
     def _schedule_entries(self) -> list[BatchEntry]:
         while True:
@@ -135,6 +138,7 @@ class Scheduler:
             decoding = [r for r in self.running if r.is_decoding]
             prefilling = [r for r in self.running if not r.is_decoding]
             budget, shared = step_tokens(self)
+            self._step_budget = budget
             # owners taking turns: waiting requests start before running ones take the budget
             entries = admit(self, budget) if shared else []
             budget -= sum(e.num_new for e in entries)
@@ -293,6 +297,7 @@ class Scheduler:
 
     def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
         self.drafter.observe_step(batch.entries, seconds)
+        self.step_time.observe(sum(e.num_new + len(e.draft) for e in batch.entries), seconds)
 
     def _sampled(self, req: Req, outcome: EntryOutcome) -> None:
         if outcome.error is not None:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from itertools import chain
 from typing import TYPE_CHECKING
 
 from runtime.cache.nodes import owner_of
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 # an owner whose request arrived this recently counts as active: a step already under way when
 # its next request comes cannot be cut short, so steps stay short while tenants take turns
 ACTIVE_OWNER_S = 10.0
+MIN_SHARED_TOKENS = 16  # a shared step's prompt tokens however slow steps are: progress
+UNMEASURED_SHARED_TOKENS = 64  # before the step cost is known (the first few steps)
 
 
 class OwnerActivity:
@@ -46,21 +49,26 @@ class OwnerActivity:
         while next(iter(self._last_s.values())) < now_s - ACTIVE_OWNER_S:
             del self._last_s[next(iter(self._last_s))]
 
-    def num_active(self) -> int:
-        """Owners whose requests arrived within ACTIVE_OWNER_S."""
+    def num_active(self, current: Iterable[Req]) -> int:
+        """Owners with a `current` (running or waiting) request or one that arrived within
+        ACTIVE_OWNER_S."""
         since_s = time.monotonic() - ACTIVE_OWNER_S
-        return sum(1 for last_s in self._last_s.values() if last_s >= since_s)
+        owners = {owner for owner, last_s in self._last_s.items() if last_s >= since_s}
+        owners.update(owner_of(r.namespace) for r in current)
+        return len(owners)
 
 
 def step_tokens(s: Scheduler) -> tuple[int, bool]:
-    """The step's prefill budget, and whether owners share the step: `shared_step_tokens`
-    while more than one owner is active (their requests arrived within ACTIVE_OWNER_S), so no
-    owner's long prompt or forced text holds another's next token for long;
-    `chunked_prefill_tokens` for one owner."""
+    """The step's prefill budget, and whether owners share the step: while more than one
+    owner is active (their requests run, wait or arrived within ACTIVE_OWNER_S) what fits in
+    `shared_step_ms` by the measured step cost (step_time.py), so no owner's long prompt or
+    forced text holds another's next token for long; `chunked_prefill_tokens` for one owner."""
     config = s.config
-    if s.activity.num_active() > 1:
-        return min(config.chunked_prefill_tokens, config.shared_step_tokens), True
-    return config.chunked_prefill_tokens, False
+    if s.activity.num_active(chain(s.running, s.waiting.values())) <= 1:
+        return config.chunked_prefill_tokens, False
+    fitting = s.step_time.tokens_within(config.shared_step_ms / 1000)
+    shared = UNMEASURED_SHARED_TOKENS if fitting is None else max(MIN_SHARED_TOKENS, fitting)
+    return min(config.chunked_prefill_tokens, shared), True
 
 
 def fair_share_victims_of(s: Scheduler) -> list[Req]:
