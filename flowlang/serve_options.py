@@ -152,36 +152,42 @@ def add_request_limits(parser: Options) -> None:
         metavar="BYTES",
         help="largest request body accepted (413 beyond)",
     )
-    parser.add_argument(
+    _add_seconds(
+        parser,
         "--pin-lease-seconds",
-        type=_positive(float),
-        default=30.0,
-        metavar="SECONDS",
+        30.0,
         help="a pin held over HTTP is released when not renewed within this",
     )
-    parser.add_argument(
+    _add_seconds(
+        parser,
         "--head-timeout",
-        type=_positive(float),
-        default=10.0,
-        metavar="SECONDS",
+        10.0,
         help="seconds for a request's headers to arrive (408 beyond)",
     )
-    parser.add_argument(
+    _add_seconds(
+        parser,
         "--request-timeout",
-        type=_positive(float),
-        default=None,
-        metavar="SECONDS",
+        None,
         help="abort requests that set no timeout_s after this many seconds (408) "
         "(default: no limit)",
     )
-    parser.add_argument(
+    _add_seconds(
+        parser,
         "--drain-timeout",
-        type=_non_negative(float),
-        default=10.0,
-        metavar="SECONDS",
+        10.0,
         help="on SIGTERM or SIGINT: seconds for running requests to finish while new ones get "
         "503; those still running then get a 503 (or a stream's error frame), and it exits 0",
+        allow_zero=True,
     )
+
+
+def _add_seconds(
+    parser: Options, flag: str, default_s: float | None, help: str, allow_zero: bool = False
+) -> None:
+    """A duration option in seconds, refused up front unless above zero (or, `allow_zero`, at
+    least zero)."""
+    parse = _non_negative(float) if allow_zero else _positive(float)
+    parser.add_argument(flag, type=parse, default=default_s, metavar="SECONDS", help=help)
 
 
 def add_cluster_options(parser: Options) -> None:

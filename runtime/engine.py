@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from runtime.cache.chunks import TierView
 from runtime.cache.events import KVEventPublisher, KVEventSubscription
-from runtime.cache.view import CacheView, build_cache_view
+from runtime.cache.view import CacheView, PinnedAt, build_cache_view
 from runtime.config import EngineConfig
 from runtime.engine_api import EngineCommon
 from runtime.engine_build import load_model, loop_cpu_share, make_tiers
@@ -204,9 +204,12 @@ class Engine(EngineCommon):
         """The radix tree as a picture: Jupyter draws it; `.to_svg()`, `.to_dict()`."""
         kv, pins, render = self.scheduler.kv, self.scheduler.pins, _decoder(self.tokenizer)
         below = self.tiers.stats
-        return self._call_in_loop(
-            lambda: build_cache_view(kv.cache, pins, render, max_nodes, below=below())
-        )
+
+        def view() -> CacheView:
+            held = {pid: PinnedAt(p.kv.lock_pos, p.namespace) for pid, p in pins.items()}
+            return build_cache_view(kv.cache, held, render, max_nodes, below=below())
+
+        return self._call_in_loop(view)
 
     def subscribe_kv_events(
         self, max_pending_events: int = 100_000, replica: int | None = None

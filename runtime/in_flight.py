@@ -78,10 +78,10 @@ class InFlight:
         info = PinInfo(
             pin_id=pin_id,
             num_tokens=len(ids),
-            cached_tokens=finished.cached_tokens or 0,
+            cached_tokens=finished.usage.cached_tokens or 0,
             namespace=namespace,
         )
-        return info, finished.last_logprobs
+        return info, finished.logprobs.last
 
     def run_to_end(self, reqs: list[Req]) -> list[Req]:
         """Add requests in one command and wait for each to finish (or pin); raise the first

@@ -22,15 +22,15 @@ def result_of(req: Req) -> GenerateResult:
         finish_reason=gen.finish_reason,
         matched_stop=gen.matched_stop,
         prompt_tokens=len(req.prompt_ids),
-        cached_tokens=req.cached_tokens or 0,
-        loaded_tokens=req.loaded_tokens or 0,
-        ttft_s=None if req.first_token_s is None else req.first_token_s - req.submitted_s,
+        cached_tokens=req.usage.cached_tokens or 0,
+        loaded_tokens=req.usage.loaded_tokens or 0,
+        ttft_s=None
+        if req.usage.first_token_s is None
+        else req.usage.first_token_s - req.usage.submitted_s,
         completion_tokens=len(gen.output_ids),
         logprobs=logprobs,
-        prompt_logprobs=req.prompt_logprobs if prompt_asked else None,
-        prompt_top_logprobs=req.prompt_top_logprobs
-        if prompt_asked and gen.params.top_logprobs
-        else None,
+        prompt_logprobs=req.logprobs.values if prompt_asked else None,
+        prompt_top_logprobs=req.logprobs.tops if prompt_asked and gen.params.top_logprobs else None,
         prompt_ids=list(req.prompt_ids) if prompt_asked else None,
         error=req.error,
         error_kind=req.error_kind,
@@ -50,10 +50,10 @@ def stream_chunk_of(req: Req) -> StreamChunk:
         output_ids=gen.output_ids[new.start : new.stop],
         num_output_tokens=len(gen.output_ids),
         num_prompt_tokens=len(req.prompt_ids),
-        cached_tokens=req.cached_tokens or 0,
+        cached_tokens=req.usage.cached_tokens or 0,
         logprobs=_token_logprobs(gen, new) if wants_logprobs else [],
-        prompt_logprobs=list(req.prompt_logprobs) if prompt_asked else None,
-        prompt_top_logprobs=list(req.prompt_top_logprobs) if prompt_asked else None,
+        prompt_logprobs=list(req.logprobs.values) if prompt_asked else None,
+        prompt_top_logprobs=list(req.logprobs.tops) if prompt_asked else None,
         prompt_ids=list(req.prompt_ids) if prompt_asked else None,
     )
 

@@ -149,7 +149,8 @@ class ContinuationScorer:
                 rows[context] = _next_logprobs(row, context, conts)
             for start in range(0, len(conts), MAX_SCORE_BATCH):
                 batch = conts[start : start + MAX_SCORE_BATCH]
-                token_logprobs += self._score_batch(request, prefix_ids, batch, rows, cancel)
+                reqs = self._tail_reqs(request, prefix_ids, batch, rows)
+                token_logprobs += self._score_batch(reqs, prefix_ids, batch, rows, cancel)
         finally:
             for pin_id in pin_ids:
                 self._abort(pin_id)
@@ -159,14 +160,14 @@ class ContinuationScorer:
 
     def _score_batch(
         self,
-        request: ScoreRequest,
+        reqs: dict[int, Req],
         prefix_ids: list[int],
         conts: list[list[int]],
         rows: dict[Context, NextLogprobs],
         cancel: Cancellation,
     ) -> list[list[float]]:
-        """Per-token logprobs of `conts`, computing their tails together."""
-        reqs = self._tail_reqs(request, prefix_ids, conts, rows)
+        """Per-token logprobs of `conts`, running their tails' requests (`reqs`, by index in
+        `conts`) together."""
         if reqs:
             cancel.run(self._run, self._abort, list(reqs.values()))
         token_logprobs = [
@@ -174,7 +175,7 @@ class ContinuationScorer:
             for i, cont in enumerate(conts)
         ]
         for req in reqs.values():  # read: let the rows go now (a Req sits in reference cycles)
-            req.last_logprobs, req.prompt_logprobs = None, []
+            req.logprobs.last, req.logprobs.values = None, []
         return token_logprobs
 
     def _shared_contexts(self, conts: list[list[int]]) -> list[Context]:
@@ -238,5 +239,5 @@ def _token_logprob(
     if context in rows:
         return float(rows[context][cont[j]])
     if j == len(cont) - 1:
-        return float(req.last_logprobs[cont[j]])
-    return float(req.prompt_logprobs[len(prefix_ids) + j])
+        return float(req.logprobs.last[cont[j]])
+    return float(req.logprobs.values[len(prefix_ids) + j])

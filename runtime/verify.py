@@ -48,7 +48,7 @@ def apply_logits(
     With `jump_forward`, a sampled token is followed by what the grammar forces next, at most
     the batch's max_forced_tokens of it (the rest follows next step)."""
     max_forced = batch.max_forced_tokens if jump_forward else 0
-    reused = [e.req.reused_logits for e in batch.entries if e.reuses_logits]
+    reused = [e.req.reuse.logits for e in batch.entries if e.reuses_logits]
     if reused:
         kept = torch.stack(reused)  # (num_reused, vocab)
         logits = kept if logits is None else torch.cat([logits, kept.to(logits.device)])
@@ -58,9 +58,9 @@ def apply_logits(
     for entry, outcome in zip(batch.entries, outcomes, strict=True):
         req = entry.req
         first_row, row = row, row + entry.num_logit_rows
-        start = req.num_computed
+        start = req.kv.num_computed
         if entry.all_logits:
-            req.record_prompt_logprobs(start, logits[first_row:row])
+            req.logprobs.record(req.prompt_ids, start, logits[first_row:row])
         outcome.at_end = start + entry.num_new >= req.num_tokens
         if not outcome.at_end:
             continue
@@ -71,8 +71,8 @@ def apply_logits(
                 plain.append((req, row - 1, outcome))
                 if entry.num_new and start + entry.num_new == len(req.prompt_ids):
                     outcome.prompt_logits = logits[row - 1]
-        elif req.keep_last_logprobs:
-            req.last_logprobs = torch.log_softmax(logits[row - 1].float().cpu(), dim=-1)
+        elif req.logprobs.keep_last:
+            req.logprobs.last = torch.log_softmax(logits[row - 1].float().cpu(), dim=-1)
         elif req.kind is ReqKind.PIN and entry.wants_logits:
             outcome.prompt_logits = logits[row - 1]
     if plain:

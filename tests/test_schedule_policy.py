@@ -31,8 +31,8 @@ def test_lpm_over_10000_waiting_requests_rematches_only_what_changed():
     policy = SchedulePolicy("lpm", cache)
     first = policy.order(waiting)
     assert policy.num_rematches == 10_000
-    assert [r.match_len for r in first[:5000]] == [10] * 5000  # cached groups first
-    assert first[0].arrival == 0 and first[5000].match_len == 0
+    assert [r.queue.match_len for r in first[:5000]] == [10] * 5000  # cached groups first
+    assert first[0].arrival == 0 and first[5000].queue.match_len == 0
     policy.order(waiting)
     assert policy.num_rematches == 10_000, "nothing changed: nothing re-matched"
     insert(cache, groups[3] + [1003, 7, 9])  # extends the path of exactly one request
@@ -40,17 +40,17 @@ def test_lpm_over_10000_waiting_requests_rematches_only_what_changed():
     # re-matched: the 100 requests at groups[3]'s node, and the 5,000 with no match at all
     # (the root changed too; their re-match is one failed dict lookup); not the other 4,900
     assert policy.num_rematches == 10_000 + 100 + 5000
-    assert second[0].rid == "r3" and second[0].match_len == 11  # all but the last token
+    assert second[0].rid == "r3" and second[0].queue.match_len == 11  # all but the last token
     insert(cache, groups[60])  # a new group: requests at the root re-match (cheaply)
     third = policy.order(waiting)
     assert policy.num_rematches == 15_100 + 5000
-    assert {r.match_len for r in third if r.rid.endswith("60") and int(r.rid[1:]) % 100 == 60} == {
-        10
-    }
+    assert {
+        r.queue.match_len for r in third if r.rid.endswith("60") and int(r.rid[1:]) % 100 == 60
+    } == {10}
     # an eviction makes matches stale too
     cache.evict(cache.evictable_size)
     policy.order(waiting)
-    assert all(r.match_len == 0 for r in waiting)
+    assert all(r.queue.match_len == 0 for r in waiting)
 
 
 def test_dfs_weight_groups_requests_sharing_prefixes():

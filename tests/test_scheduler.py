@@ -137,8 +137,8 @@ def test_lpm_admits_the_longest_cached_match_first():
     sched.add(cold)
     sched.add(hot)
     run(sched)
-    assert hot.admit_seq < cold.admit_seq, "the request with a cached prefix goes first"
-    assert hot.cached_tokens == 30 and cold.cached_tokens == 0
+    assert hot.queue.admit_seq < cold.queue.admit_seq, "the request with a cached prefix goes first"
+    assert hot.usage.cached_tokens == 30 and cold.usage.cached_tokens == 0
 
 
 def test_dfs_weight_admits_requests_sharing_a_prefix_together_heaviest_first():
@@ -155,7 +155,7 @@ def test_dfs_weight_admits_requests_sharing_a_prefix_together_heaviest_first():
     for req in reqs:
         sched.add(req)
     run(sched)  # all five are admitted in one step, in the policy's order
-    order = [r.rid for r in sorted(reqs, key=lambda r: r.admit_seq)]
+    order = [r.rid for r in sorted(reqs, key=lambda r: r.queue.admit_seq)]
     assert order == ["a1", "a2", "a3", "b1", "b2"]
 
 
@@ -165,7 +165,7 @@ def test_fcfs_admits_in_arrival_order():
     for req in reqs:
         sched.add(req)
     run(sched)
-    assert sorted(reqs, key=lambda r: r.admit_seq) == sorted(reqs, key=lambda r: r.arrival)
+    assert sorted(reqs, key=lambda r: r.queue.admit_seq) == sorted(reqs, key=lambda r: r.arrival)
 
 
 def test_admission_reuses_the_policy_match():

@@ -43,14 +43,14 @@ def test_a_score_holds_logprob_rows_for_one_batch_at_a_time(engine, monkeypatch)
     def counting_run(reqs):
         run(reqs)
         seen.extend(reqs)
-        held.append(sum(r.last_logprobs is not None for r in seen))  # full vocabulary rows
+        held.append(sum(r.logprobs.last is not None for r in seen))  # full vocabulary rows
 
     monkeypatch.setattr(scorer, "_run", counting_run)
     (batched,) = engine.score(ScoreRequest(prefix=PREFIX, continuations=conts))
     # the first and last come whole from pins (the prefix, and their shared first token);
     # the 39 others in 5 engine runs of at most 8: rows never outnumber one batch
     assert len(seen) == 39 and len(held) == 5 and max(held) <= 8
-    assert all(r.last_logprobs is None and not r.prompt_logprobs for r in seen)
+    assert all(r.logprobs.last is None and not r.logprobs.values for r in seen)
     for a, b in zip(whole.token_logprobs, batched.token_logprobs, strict=True):
         assert a == pytest.approx(b, abs=1e-5)
     assert engine.stats()["num_pins"] == 0

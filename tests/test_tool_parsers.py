@@ -496,7 +496,11 @@ def test_torch_free():
     allowed = {"__future__", "json", "secrets", "collections", "dataclasses", "regex", "runtime"}
     allowed |= {"abc", "functools", "typing"}  # the tool_calls package's base class, annotations
     constrain = root / "runtime" / "constrain"
-    for path in [*sorted((constrain / "tool_calls").glob("*.py")), constrain / "reasoning.py"]:
+    for path in [
+        *sorted((constrain / "tool_calls").glob("*.py")),
+        constrain / "reasoning.py",
+        constrain / "format_names.py",
+    ]:
         name = path.relative_to(constrain).as_posix()
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -514,4 +518,5 @@ def test_torch_free():
                     "runtime.protocol",
                     "runtime.constrain.reasoning",
                     "runtime.constrain.check",  # pure Python: the shared depth limit
+                    "runtime.constrain.format_names",  # pure Python: names as users write them
                 )

@@ -143,7 +143,7 @@ def first_eviction(
         def recording(num_tokens: int) -> int:  # on the loop thread
             if not seen:
                 running = scheduler.running
-                own = sum(r.capacity - r.num_locked for r in running)
+                own = sum(r.kv.capacity - r.kv.num_locked for r in running)
                 seen.append(
                     FirstEviction(
                         len(running),

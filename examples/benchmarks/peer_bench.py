@@ -11,7 +11,7 @@ and how many greedy outputs agree. `--profile` adds flowlang's per-round time br
 (attention, GEMMs, norms, RoPE, sampling, scheduling). The vLLM worker runs in vLLM's own venv:
 it imports only the standard library, transformers, vllm, conversations.py and side_by_side.py.
 `--baseline DIR` (a checkout of an older commit) adds that code's engine, "flowlang (before)",
-once per dtype.
+interleaved with the others in every repeat.
 """
 
 from __future__ import annotations
@@ -252,9 +252,8 @@ def main() -> None:
     spec_path.write_text(json.dumps(w1_spec(args.users)))
     runs: dict[tuple[str, str], list[dict]] = collections.defaultdict(list)
     for repeat in range(args.repeats):
-        order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
-        if args.baseline and repeat == 0:
-            order.insert(1, "flowlang (before)")
+        names = [*engines, "flowlang (before)"] if args.baseline else list(engines)
+        order = names if repeat % 2 == 0 else list(reversed(names))
         for dtype in args.dtypes:
             for engine in order:
                 code = args.baseline if engine == "flowlang (before)" else None

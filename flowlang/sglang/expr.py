@@ -188,34 +188,27 @@ def assistant(expr: Any = None) -> Expr:
     return role("assistant", expr)
 
 
-def system_begin() -> Expr:
-    """Opens a system message (`system_end()` closes it)."""
-    return Seq([RoleBegin("system")])
+def _role_markers(name: str) -> tuple[Callable[[], Expr], Callable[[], Expr]]:
+    """SGLang's `<name>_begin()` and `<name>_end()`: the markers that open and close a `name`
+    message, for a message whose text is added between them piece by piece."""
+
+    def begin() -> Expr:
+        return Seq([RoleBegin(name)])
+
+    def end() -> Expr:
+        return Seq([RoleEnd(name)])
+
+    # named and documented as the module-level functions they become (help(), tracebacks)
+    begin.__name__ = begin.__qualname__ = f"{name}_begin"
+    end.__name__ = end.__qualname__ = f"{name}_end"
+    begin.__doc__ = f"Opens the {name} message (`{name}_end()` closes it)."
+    end.__doc__ = f"Closes the {name} message."
+    return begin, end
 
 
-def system_end() -> Expr:
-    """Closes the system message."""
-    return Seq([RoleEnd("system")])
-
-
-def user_begin() -> Expr:
-    """Opens a user message (`user_end()` closes it)."""
-    return Seq([RoleBegin("user")])
-
-
-def user_end() -> Expr:
-    """Closes the user message."""
-    return Seq([RoleEnd("user")])
-
-
-def assistant_begin() -> Expr:
-    """Opens an assistant message (`assistant_end()` closes it)."""
-    return Seq([RoleBegin("assistant")])
-
-
-def assistant_end() -> Expr:
-    """Closes the assistant message."""
-    return Seq([RoleEnd("assistant")])
+system_begin, system_end = _role_markers("system")
+user_begin, user_end = _role_markers("user")
+assistant_begin, assistant_end = _role_markers("assistant")
 
 
 def image(*args: Any, **kwargs: Any) -> Expr:

@@ -55,6 +55,14 @@ class NamespaceView:
 
 
 @dataclass(frozen=True)
+class PinnedAt:
+    """What the picture reads of a pin: where it holds the tree (None: nowhere yet)."""
+
+    lock_pos: Any
+    namespace: str | None
+
+
+@dataclass(frozen=True)
 class PinView:
     pin_id: str
     num_tokens: int
@@ -102,7 +110,7 @@ class CacheView:
 
 def build_cache_view(
     cache: Any,
-    pins: Mapping[str, Any],
+    pins: Mapping[str, PinnedAt],
     render: Callable[[tuple[int, ...]], str] | None = None,
     max_nodes: int = 40,
     label_tokens: int = 8,
@@ -110,7 +118,7 @@ def build_cache_view(
     below: Mapping[str, float] | None = None,
 ) -> CacheView:
     """Snapshot `cache` (a PrefixCache, read on its owning thread). `pins` maps pin ids
-    to their requests (`lock_pos`: the locked TreePosition or None; `namespace`); `render`
+    to where they hold the tree (PinnedAt); `render`
     decodes token ids; `below` is the lower tiers' stats (KVTiers.stats), if any."""
     snapshot = _Snapshot(cache, render, label_tokens)
     pin_views = [snapshot.add_pin(pin_id, pin) for pin_id, pin in pins.items()]
@@ -153,7 +161,7 @@ class _Snapshot:
             self.roots.values(), self.sizes, max_nodes, self.pinned_paths
         )
 
-    def add_pin(self, pin_id: str, pin: Any) -> PinView:
+    def add_pin(self, pin_id: str, pin: PinnedAt) -> PinView:
         node = self.cache.resolve(pin.lock_pos) if pin.lock_pos is not None else None
         view = PinView(pin_id, node.depth if node else 0, repr(pin.namespace))
         path = []

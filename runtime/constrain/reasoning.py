@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import regex
 
+from runtime.constrain.format_names import canonical_format_name
+
 REASONING_NAMES = ("think", "deepseek-r1")
 _ALIASES = {"qwen3": "think", "deepseek_r1": "deepseek-r1", "r1": "deepseek-r1"}
 
@@ -63,14 +65,9 @@ class ReasoningFormat:
 
 def reasoning_format(name: str) -> ReasoningFormat:
     """The reasoning format called `name` (or one of its aliases)."""
-    key = name.strip().lower()
-    key = _ALIASES.get(key, key)
-    if key not in REASONING_NAMES:
-        aliases = ", ".join(f"{a} ({b})" for a, b in _ALIASES.items())
-        raise UnknownReasoningFormat(
-            f"unknown reasoning parser {name!r}; known: {', '.join(REASONING_NAMES)} "
-            f"(aliases: {aliases})"
-        )
+    key = canonical_format_name(
+        name, REASONING_NAMES, _ALIASES, UnknownReasoningFormat, "reasoning parser"
+    )
     return ReasoningFormat(key)
 
 

@@ -12,62 +12,46 @@ import torch
 from runtime.model.arch import ModelArch
 from runtime.model.loader import Checkpoint
 
-PRESETS = {
-    "llama-3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        tie_word_embeddings=False,
-        eos_token_id=128009,
-    ),
+# name: (hidden, MLP, layers, query heads, KV heads, vocab, context, RoPE theta, tied, eos)
+_SHAPES = {
+    "llama-3-8b": (4096, 14336, 32, 32, 8, 128256, 8192, 500000.0, False, 128009),
     # Llama-3's attention shapes (head_dim 128, 4 query heads per KV head) in 4 small layers:
     # the GPU tests run the same attention kernels as the 8B bench
-    "llama-3-small": dict(
-        hidden_size=1024,
-        intermediate_size=2048,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        tie_word_embeddings=False,
-        eos_token_id=2,
-    ),
-    "smollm2-135m": dict(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        vocab_size=49152,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-        tie_word_embeddings=True,
-        eos_token_id=2,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-        eos_token_id=2,
-    ),
+    "llama-3-small": (1024, 2048, 4, 8, 2, 32000, 4096, 500000.0, False, 2),
+    "smollm2-135m": (576, 1536, 30, 9, 3, 49152, 8192, 100000.0, True, 2),
+    "tiny": (64, 128, 2, 4, 2, 512, 2048, 10000.0, False, 2),
 }
+
+
+def _llama_config(
+    hidden: int,
+    mlp: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    context_tokens: int,
+    rope_theta: float,
+    tied: bool,
+    eos: int,
+) -> dict:
+    """LlamaConfig's fields for one row of _SHAPES; what every preset shares is set here."""
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=context_tokens,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        tie_word_embeddings=tied,
+        eos_token_id=eos,
+    )
+
+
+PRESETS = {name: _llama_config(*shape) for name, shape in _SHAPES.items()}
 
 
 def random_checkpoint(spec: str, dtype: torch.dtype, device: str, seed: int = 0) -> Checkpoint:

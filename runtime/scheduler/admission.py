@@ -126,9 +126,9 @@ class AdmissionPass:
         if need <= self.available:
             return ADMIT
         if not s.running and not self.entries and need > s.kv.capacity_for_one:
-            s.fail_too_large(req, need)
+            fail_too_large(s, req, need)
             return SKIP
-        if req.num_passed >= s.config.admission_patience:
+        if req.queue.num_passed >= s.config.admission_patience:
             return STOP  # passed often enough: no later request starts before it
         self.blocked.add(owner_of(req.namespace))  # its owner's later requests wait behind it
         self.deferred.append(req)  # counted as passed by each request admitted after it
@@ -152,10 +152,10 @@ class AdmissionPass:
         del s.waiting[req.rid]
         s.start(req, s.policy.match(req))
         self.available -= need
-        if req.reused_logits is not None and req.num_computed < req.num_tokens:
-            req.reused_logits = None  # the tree lost the prompt's end: compute it
-        num_new = min(req.num_tokens - req.num_computed, self.budget)
-        if num_new == 0 and req.reused_logits is not None:
+        if req.reuse.logits is not None and req.kv.num_computed < req.num_tokens:
+            req.reuse.logits = None  # the tree lost the prompt's end: compute it
+        num_new = min(req.num_tokens - req.kv.num_computed, self.budget)
+        if num_new == 0 and req.reuse.logits is not None:
             s.running.append(req)  # samples from the kept row; computes nothing
             self.entries.append(BatchEntry(req, 0, False, False, True))
             self.reserved += s.reserved_slots(req)
@@ -163,7 +163,7 @@ class AdmissionPass:
         if num_new == 0:  # everything cached and no logits needed
             s.complete(req)
             return True
-        if not s.kv.grow(req, req.num_computed + num_new):
+        if not s.kv.grow(req, req.kv.num_computed + num_new):
             s.unstart(req)  # eviction could not produce the slots: try next step
             return False
         s.running.append(req)
@@ -172,5 +172,16 @@ class AdmissionPass:
         self.reserved += s.reserved_slots(req)
         self.work_ahead.admitted(req)
         for waiting in self.deferred:
-            waiting.num_passed += 1
+            waiting.queue.num_passed += 1
         return True
+
+
+def fail_too_large(s: Scheduler, req: Req, need: int) -> None:
+    """Fail `req`, which cannot run with what the pool holds: busy (retry later) when it
+    fits an empty pool, else too large for it."""
+    pool, held = s.kv.allocator.num_slots, s.kv.cache.protected_size
+    if need <= pool:  # it fits an empty pool: pins and running prefixes are in the way
+        message = f"request needs {need} KV slots; {held} of {pool} are held: retry later"
+        s.fail(req, message, kind="busy")
+        return
+    s.fail(req, f"request needs {need} KV slots, the pool has {pool}: raise max_kv_tokens")

@@ -50,10 +50,11 @@ def batch_of(entries: list[BatchEntry], max_forced_tokens: int) -> ScheduledBatc
     if computed:
         forward = ForwardBatch.build(
             [
-                e.req.tokens(e.req.num_computed, e.req.num_computed + e.num_new) + list(e.draft)
+                e.req.tokens(e.req.kv.num_computed, e.req.kv.num_computed + e.num_new)
+                + list(e.draft)
                 for e in computed
             ],
-            [e.req.slots[: e.req.num_computed + e.num_new + len(e.draft)] for e in computed],
+            [e.req.kv.slots[: e.req.kv.num_computed + e.num_new + len(e.draft)] for e in computed],
             logit_tails=[e.num_logit_rows for e in computed],
         )
     reused = [e for e in entries if e.reuses_logits]
@@ -65,7 +66,7 @@ def decode_entry(req: Req, budget: int) -> BatchEntry:
     forced tokens, at most the step's remaining prefill `budget` of them beyond one, so a long
     forced string is computed in chunks (one pass of thousands of tokens would hold every
     other request's step); it samples once they are all computed."""
-    num_left = req.num_tokens - req.num_computed
+    num_left = req.num_tokens - req.kv.num_computed
     num_new = min(num_left, 1 + max(0, budget - 1))
     return BatchEntry(req, num_new, True, False, num_new == num_left)
 
@@ -82,8 +83,8 @@ def decode_entries(decoding: list[Req], budget: int) -> tuple[list[BatchEntry], 
 
 
 def prefill_entry(req: Req, num_new: int, pin_row: bool) -> BatchEntry:
-    end = req.num_computed + num_new
-    wants = end > req.first_logit_pos and (end == req.num_tokens or req.logprob_start is not None)
+    end = req.kv.num_computed + num_new
+    wants = end > req.first_logit_pos and (end == req.num_tokens or req.logprobs.start is not None)
     if pin_row and req.kind is ReqKind.PIN and end == req.num_tokens:
         wants = True  # the row after a pinned prefix, kept for branches that gen right there
-    return BatchEntry(req, num_new, False, wants and req.logprob_start is not None, wants)
+    return BatchEntry(req, num_new, False, wants and req.logprobs.start is not None, wants)

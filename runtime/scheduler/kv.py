@@ -111,9 +111,9 @@ class KVManager:
         if cached:
             self.cache.lock(position)
             self.marks.mark_read(position)
-            req.lock_pos = position
-            req.slots = self.cache.slot_indices(position).clone()
-        req.num_computed = req.num_locked = cached
+            req.kv.lock_pos = position
+            req.kv.slots = self.cache.slot_indices(position).clone()
+        req.kv.num_computed = req.kv.num_locked = cached
         if cached and self.tiers.write_policy == "write_through_selective":
             self._back_up_if_hot(req, position)
         self._load_below(req)
@@ -126,15 +126,15 @@ class KVManager:
         """write_through_selective: a prefix that admissions read again and again is hot:
         copy it down now, not only when it is evicted."""
         if self.cache.policy.note_read(self.cache.resolve(position)) == HOT_READS:
-            ids = req.tokens(0, req.num_locked)
-            self.tiers.store(req.namespace, ids, 0, req.slots, req.chunk_names)
+            ids = req.tokens(0, req.kv.num_locked)
+            self.tiers.store(req.namespace, ids, 0, req.kv.slots, req.kv.chunk_names)
 
     def _load_below(self, req: Req) -> None:
         """Continue a request's device match from the lower tiers: fresh slots, a copy, an
         insert (so the loaded tokens are locked and shared like cached ones)."""
         ids = req.all_ids
         extent = self.tiers.extent(
-            req.namespace, ids, req.num_locked, req.match_limit, req.chunk_names
+            req.namespace, ids, req.kv.num_locked, req.match_limit, req.kv.chunk_names
         )
         room = self.allocator.num_free_slots + self.cache.evictable_size
         extent = extent.within(room)  # what fits now; the rest is computed as before
@@ -145,31 +145,31 @@ class KVManager:
         self.free(slots[loaded:])
         if not loaded:
             return
-        req.slots = torch.cat([req.slots, slots[:loaded]])
-        req.num_computed = req.num_locked + loaded
-        req.num_loaded += loaded
+        req.kv.slots = torch.cat([req.kv.slots, slots[:loaded]])
+        req.kv.num_computed = req.kv.num_locked + loaded
+        req.usage.loaded_now_tokens += loaded
         self.cache_prefix(req)
 
     def grow(self, req: Req, upto: int, evict: bool = True) -> bool:
-        """Make req.slots cover `upto` tokens (whole pages), evicting if needed and allowed
+        """Make req.kv.slots cover `upto` tokens (whole pages), evicting if needed and allowed
         (a speculative draft takes free slots only)."""
-        short = upto - req.capacity
+        short = upto - req.kv.capacity
         if short <= 0:
             return True
         num_tokens = -(-short // self.page_size) * self.page_size
         room = self.make_room(num_tokens) if evict else num_tokens <= self.allocator.num_free_slots
         if not room:
             return False
-        req.slots = torch.cat([req.slots, self.allocator.alloc(num_tokens)])
+        req.kv.slots = torch.cat([req.kv.slots, self.allocator.alloc(num_tokens)])
         return True
 
     def trim(self, req: Req) -> None:
         """After a verified draft: keep the pages up to the next token's slot, free the rest
         (the rejected guesses')."""
-        keep = -(-(req.num_computed + 1) // self.page_size) * self.page_size
-        if req.capacity > keep:
-            self.free(req.slots[keep:])
-            req.slots = req.slots[:keep]
+        keep = -(-(req.kv.num_computed + 1) // self.page_size) * self.page_size
+        if req.kv.capacity > keep:
+            self.free(req.kv.slots[keep:])
+            req.kv.slots = req.kv.slots[:keep]
 
     def make_room(self, num_tokens: int) -> bool:
         """Evict until `num_tokens` slots are free; False if the unlocked tree is too small."""
@@ -181,43 +181,42 @@ class KVManager:
 
     def cache_prefix(self, req: Req) -> None:
         """Insert the computed whole pages into the tree and move the request's lock down."""
-        n = req.num_computed
+        n = req.kv.num_computed
         aligned = n // self.page_size * self.page_size
-        if aligned <= req.num_locked:
+        if aligned <= req.kv.num_locked:
             return
         ids = req.tokens(0, n)
-        done = self.cache.insert(ids, req.slots[:n], req.namespace, req.hints.priority)
+        done = self.cache.insert(ids, req.kv.slots[:n], req.namespace, req.hints.priority)
         if self.trace is not None:
             self.trace.append(("insert", req.namespace, tuple(ids[:aligned])))
-        self.free(req.slots[req.num_locked : done.prefix_len])  # duplicates of the tree's
+        self.free(req.kv.slots[req.kv.num_locked : done.prefix_len])  # duplicates of the tree's
         held = done.position.prefix_len
-        if held <= req.num_locked:
+        if held <= req.kv.num_locked:
             return  # the cache took nothing (disabled): the slots stay the request's
         self.cache.lock(done.position)
-        if req.lock_pos is not None:
-            self.cache.unlock(req.lock_pos)
-        req.slots[:held] = done.indices
-        req.lock_pos = done.position
+        if req.kv.lock_pos is not None:
+            self.cache.unlock(req.kv.lock_pos)
+        req.kv.slots[:held] = done.indices
+        req.kv.lock_pos = done.position
+        kv, key = req.kv, ids[:held]
         if self.tiers.write_policy == "write_through":
-            self.tiers.store(
-                req.namespace, ids[:held], req.num_locked, req.slots[:held], req.chunk_names
-            )
-        req.num_locked = held
+            self.tiers.store(req.namespace, key, kv.num_locked, kv.slots[:held], kv.chunk_names)
+        kv.num_locked = held
 
     def keep_locked_prefix(self, req: Req) -> None:
         """A pin: insert what it computed, keep only the locked whole pages."""
         self.cache_prefix(req)
-        self.free(req.slots[req.num_locked :])  # a partial last page cannot be shared
-        req.slots = req.slots[: req.num_locked].clone()
+        self.free(req.kv.slots[req.kv.num_locked :])  # a partial last page cannot be shared
+        req.kv.slots = req.kv.slots[: req.kv.num_locked].clone()
 
     def release(self, req: Req, insert: bool) -> None:
         """Give up the request's KV: into the tree (insert) or back to the allocator."""
         if insert:
             self.cache_prefix(req)
-        if req.lock_pos is not None:
-            self.cache.unlock(req.lock_pos)
-        self.free(req.slots[req.num_locked :])
-        req.reset_kv()
+        if req.kv.lock_pos is not None:
+            self.cache.unlock(req.kv.lock_pos)
+        self.free(req.kv.slots[req.kv.num_locked :])
+        req.kv.reset()
 
     def mark_queued_reads(self) -> None:
         """Refresh the waiting requests' queued-read marks (graph eviction's future)."""
@@ -241,14 +240,14 @@ class KVManager:
         """Assert each holder's locked prefix is the tree's, and slot conservation."""
         for req in holders:
             if req.status is ReqStatus.PINNED:  # keeps its locked whole pages, nothing more
-                assert req.num_locked == req.capacity <= req.num_computed, req
+                assert req.kv.num_locked == req.kv.capacity <= req.kv.num_computed, req
             else:
-                assert req.num_locked <= req.num_computed <= req.capacity, req
-            assert req.num_locked % self.page_size == 0, req
-            if req.num_locked:
-                match = self.cache.match_prefix(req.all_ids[: req.num_locked], req.namespace)
-                assert match.prefix_len == req.num_locked, f"{req}: locked prefix left the tree"
-                assert torch.equal(match.indices, req.slots[: req.num_locked]), req
-        owned = sum(r.capacity - r.num_locked for r in holders)
+                assert req.kv.num_locked <= req.kv.num_computed <= req.kv.capacity, req
+            assert req.kv.num_locked % self.page_size == 0, req
+            if req.kv.num_locked:
+                match = self.cache.match_prefix(req.all_ids[: req.kv.num_locked], req.namespace)
+                assert match.prefix_len == req.kv.num_locked, f"{req}: locked prefix left the tree"
+                assert torch.equal(match.indices, req.kv.slots[: req.kv.num_locked]), req
+        owned = sum(r.kv.capacity - r.kv.num_locked for r in holders)
         self.cache.check_integrity(num_caller_slots=owned)
         self.tiers.check_integrity()

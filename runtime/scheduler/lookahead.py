@@ -73,7 +73,7 @@ class Lookahead:
             if budget <= 0:
                 return
             ids, start, limit = req.all_ids, position.prefix_len, req.match_limit
-            extent = tiers.extent(req.namespace, ids, start, limit, req.chunk_names)
+            extent = tiers.extent(req.namespace, ids, start, limit, req.kv.chunk_names)
             budget -= tiers.prefetch(extent, budget)
         for key, (return_s, namespace, ids, names) in self.returning.items():
             if return_s + CONTINUATION_GRACE_S < self.now_s:
@@ -93,15 +93,15 @@ class Lookahead:
             self.returning.pop(key)
 
     def paused(self, req: Req) -> None:
-        """A request finished with its computed KV in the tree, locked at req.lock_pos: if its
+        """A request finished with its computed KV in the tree, locked at req.kv.lock_pos: if its
         branch continues, mark its path and remember it (bounded per owner) as work ahead
         or as a declared return to prefetch for."""
         hints = req.hints
-        if not hints.continuation or req.lock_pos is None:
+        if not hints.continuation or req.kv.lock_pos is None:
             return
         # a return declared further out than the horizon is "not soon", however far
         after_s = min(hints.next_turn_after_s or 0.0, MAX_HINT_RETURN_S)
-        self.kv.marks.mark_continuation(req.lock_pos, self.now_s + after_s, not after_s)
+        self.kv.marks.mark_continuation(req.kv.lock_pos, self.now_s + after_s, not after_s)
         if hints.program_id is None:
             return
         key = branch_key(req)
@@ -109,7 +109,7 @@ class Lookahead:
             tokens = future_tokens(req, self.kv.allocator.num_slots)
             self.paused_branches.put(key, (self.now_s, tokens))
         if after_s and self.kv.tiers.hold_budget_chunks > 0:
-            ids = array("i", req.tokens(0, req.num_locked))  # 4 bytes a token, not 36
+            ids = array("i", req.tokens(0, req.kv.num_locked))  # 4 bytes a token, not 36
             self.returning.put(key, (self.now_s + after_s, req.namespace, ids, []))
 
     def released(self, req: Req) -> None:
@@ -143,7 +143,7 @@ class Lookahead:
         if not tiers.keeps_evicted:
             return True  # nothing below the pool (NoTiers): no prompt copy every step
         ids, start = req.all_ids, position.prefix_len
-        extent = tiers.extent(req.namespace, ids, start, req.match_limit, req.chunk_names)
+        extent = tiers.extent(req.namespace, ids, start, req.match_limit, req.kv.chunk_names)
         if tiers.ready(extent):
             self._disk_waits.pop(req.rid, None)
             return True
@@ -217,9 +217,9 @@ class WorkAhead:
         - a request that mostly reads the cache waits only if it would evict more KV that
           others read soon (waiting requests, branches back right away) than it reads.
         It never waits with nothing running, nor once `patience` requests passed it."""
-        if not self.running or req.num_passed >= patience:
+        if not self.running or req.queue.num_passed >= patience:
             return False
-        reads = req.match_pos.prefix_len
+        reads = req.queue.match_pos.prefix_len
         new_work = req.num_tokens - reads > reads
         # room for the work ahead to finish, this request's own later turns included
         room = need + (self.future_tokens(req) if new_work else 0)

@@ -72,20 +72,20 @@ class SchedulePolicy:
         for req in waiting:
             self.match(req)
         if self.name == "lpm":
-            return sorted(waiting, key=lambda r: (-r.match_pos.prefix_len, *_fcfs_key(r)))
+            return sorted(waiting, key=lambda r: (-r.queue.match_pos.prefix_len, *_fcfs_key(r)))
         return self._dfs_weight(waiting)
 
     def match(self, req: Req) -> TreePosition:
         """The request's current cache match, re-matching only if its tree position changed
         (so ordering, admission and eviction marks share one match per change)."""
-        if req.match_pos is None or not self.cache.match_is_current(
-            req.match_pos, req.match_version
+        if req.queue.match_pos is None or not self.cache.match_is_current(
+            req.queue.match_pos, req.queue.match_version
         ):
             match = self.cache.match_prefix(req.all_ids[: req.match_limit], req.namespace)
             self.num_rematches += 1
-            req.match_pos = match.position
-            req.match_version = match.position.node.version
-        return req.match_pos
+            req.queue.match_pos = match.position
+            req.queue.match_version = match.position.node.version
+        return req.queue.match_pos
 
     def _dfs_weight(self, waiting: list[Req]) -> list[Req]:
         """Depth-first over the tree, heavier subtrees (more waiting requests) first, so that
@@ -95,7 +95,7 @@ class SchedulePolicy:
         children: dict[int, set[TreeNode]] = defaultdict(set)
         roots: dict[int, TreeNode] = {}
         for req in waiting:
-            node = req.match_pos.node
+            node = req.queue.match_pos.node
             at_node[id(node)].append(req)
             while True:
                 weight[id(node)] += 1
@@ -134,4 +134,4 @@ def _group_forks(ordered: list[Req]) -> list[Req]:
 
 def _fcfs_key(req: Req) -> tuple[int, int]:
     # retracted requests go back to the front: they had been admitted before anything waiting
-    return (0 if req.num_retractions else 1, req.arrival)
+    return (0 if req.queue.num_retractions else 1, req.arrival)

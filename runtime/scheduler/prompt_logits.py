@@ -33,8 +33,8 @@ class PromptLogits:
         """A generate request that wants nothing but the next-token row after its prompt."""
         return (
             req.kind is ReqKind.GENERATE
-            and req.logprob_start is None
-            and not req.keep_last_logprobs
+            and req.logprobs.start is None
+            and not req.logprobs.keep_last
         )
 
     @staticmethod
@@ -46,7 +46,7 @@ class PromptLogits:
     def offer(self, req: Req) -> bool:
         """Give `req` the row for its whole prompt if one is kept (then it may match its whole
         prompt in the cache: Req.match_limit); True if it got one."""
-        if not self._rows or req.reused_logits is not None or req.gen.output_ids:
+        if not self._rows or req.reuse.logits is not None or req.gen.output_ids:
             return False  # (a request retracted after sampling computes its own end)
         if not self.eligible(req):
             return False
@@ -54,13 +54,13 @@ class PromptLogits:
         if row is None:
             return False
         self._rows.move_to_end(_key(req))
-        req.reused_logits = row
-        req.match_pos = None  # its match limit grew: match again
+        req.reuse.logits = row
+        req.queue.match_pos = None  # its match limit grew: match again
         return True
 
     def used(self, req: Req) -> None:
         """`req` sampled its first token from its reused row."""
-        req.reused_logits = None
+        req.reuse.logits = None
         self.num_reused += 1
 
     def keep(self, req: Req, row: torch.Tensor) -> None:
@@ -89,10 +89,10 @@ class PromptLogits:
 
 def _key(req: Req) -> bytes:
     """A digest of (namespace, prompt ids), computed once per request."""
-    if req.prompt_key is None:
+    if req.reuse.prompt_key is None:
         digest = hashlib.blake2b(digest_size=16)
         digest.update(repr(req.namespace).encode())
         digest.update(b"\0")
         digest.update(array("q", req.prompt_ids).tobytes())
-        req.prompt_key = digest.digest()
-    return req.prompt_key
+        req.reuse.prompt_key = digest.digest()
+    return req.reuse.prompt_key

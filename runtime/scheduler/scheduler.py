@@ -32,7 +32,7 @@ from runtime.cache.lower import NO_TIERS, LowerTiers
 from runtime.cache.nodes import TreePosition
 from runtime.config import EngineConfig
 from runtime.generation import StopBudget
-from runtime.scheduler.admission import admit
+from runtime.scheduler.admission import admit, fail_too_large
 from runtime.scheduler.drafts import make_drafter
 from runtime.scheduler.entries import (
     BatchEntry,
@@ -150,8 +150,8 @@ class Scheduler:
                 decodes = self.drafter.attach(decodes, self.running, self.grammar, self.kv)
             entries += decodes
             for req in prefilling:
-                num_new = min(req.num_tokens - req.num_computed, budget)
-                if num_new <= 0 or not self.kv.grow(req, req.num_computed + num_new):
+                num_new = min(req.num_tokens - req.kv.num_computed, budget)
+                if num_new <= 0 or not self.kv.grow(req, req.kv.num_computed + num_new):
                     break
                 entries.append(prefill_entry(req, num_new, self.prompt_logits.max_rows > 0))
                 budget -= num_new
@@ -161,9 +161,9 @@ class Scheduler:
                 return entries  # (none while decodes wait for masks: they will run soon)
             # only prefills that cannot get memory: make room by retracting, or fail the last
             if len(self.running) == 1:
-                self.fail_too_large(self.running[0], self.running[0].num_tokens)
+                fail_too_large(self, self.running[0], self.running[0].num_tokens)
             else:
-                self.retract(max(self.running, key=lambda r: r.admit_seq))
+                self.retract(max(self.running, key=lambda r: r.queue.admit_seq))
 
     def _catch_up_stops(self, budget: StopBudget) -> None:
         """Requests whose stop_regex matching is behind (it is bounded per step) read on,
@@ -194,16 +194,19 @@ class Scheduler:
         """Admission: lock its cached prefix (and load what lies below), count the hit."""
         req.status = ReqStatus.RUNNING
         self._admit_seq += 1
-        req.admit_seq = self._admit_seq
-        req.num_loaded = 0
+        req.queue.admit_seq = self._admit_seq
+        req.usage.loaded_now_tokens = 0
         cached = self.kv.take_prefix(req, position)
-        if req.cached_tokens is None:  # at first admission: not computed (cached or loaded)
-            req.cached_tokens, req.loaded_tokens = req.num_computed, req.num_loaded
+        if req.usage.cached_tokens is None:  # at first admission: not computed (cached or loaded)
+            req.usage.cached_tokens, req.usage.loaded_tokens = (
+                req.kv.num_computed,
+                req.usage.loaded_now_tokens,
+            )
         self.counters["cached_tokens"] += cached
 
     def unstart(self, req: Req) -> None:
         """Undo `start` (its first chunk could not get slots): back to waiting."""
-        self.counters["cached_tokens"] -= req.num_locked - req.num_loaded
+        self.counters["cached_tokens"] -= req.kv.num_locked - req.usage.loaded_now_tokens
         self.release(req, insert=False)
         self.add(req)
 
@@ -218,7 +221,7 @@ class Scheduler:
         self.lookahead.released(req)
 
     def reserved_slots(self, req: Req) -> int:
-        return max(0, req.num_tokens - req.capacity) + self.growth_reserve(req)
+        return max(0, req.num_tokens - req.kv.capacity) + self.growth_reserve(req)
 
     def growth_reserve(self, req: Req) -> int:
         if req.kind is not ReqKind.GENERATE:
@@ -229,16 +232,17 @@ class Scheduler:
         """Give every decoding request a slot for this step, retracting others if needed."""
         page_size = self.config.page_size
         while True:
-            needy = [r for r in self.running if r.is_decoding and r.capacity < r.num_tokens]
-            pages = sum(-(-(r.num_tokens - r.capacity) // page_size) for r in needy)
+            needy = [r for r in self.running if r.is_decoding and r.kv.capacity < r.num_tokens]
+            pages = sum(-(-(r.num_tokens - r.kv.capacity) // page_size) for r in needy)
             if self.kv.make_room(pages * page_size):
                 for req in needy:
                     self.kv.grow(req, req.num_tokens)
                 return
             if len(self.running) == 1:
-                self.fail_too_large(self.running[0], self.running[0].num_tokens + 1)
+                fail_too_large(self, self.running[0], self.running[0].num_tokens + 1)
                 return
-            self.retract(max(self.running, key=lambda r: r.admit_seq))  # latest admitted first
+            latest = max(self.running, key=lambda r: r.queue.admit_seq)
+            self.retract(latest)  # latest admitted first
 
     def retract(self, req: Req) -> None:
         """Back to waiting, keeping its computed KV in the tree (unlocked) for its return;
@@ -250,21 +254,13 @@ class Scheduler:
     def back_to_waiting(self, req: Req) -> None:
         self.running.remove(req)
         self.release(req, insert=True)
-        req.num_retractions += 1
-        req.match_pos = None  # its tokens changed since the last match
+        req.queue.num_retractions += 1
+        req.queue.match_pos = None  # its tokens changed since the last match
         self.add(req)
 
     def need(self, req: Req) -> int:
         """Slots admitting `req` promises: what it computes and reserves to grow."""
         return req.num_tokens - self.policy.match(req).prefix_len + self.growth_reserve(req)
-
-    def fail_too_large(self, req: Req, need: int) -> None:
-        pool, held = self.kv.allocator.num_slots, self.kv.cache.protected_size
-        if need <= pool:  # it fits an empty pool: pins and running prefixes are in the way
-            message = f"request needs {need} KV slots; {held} of {pool} are held: retry later"
-            self.fail(req, message, kind="busy")
-            return
-        self.fail(req, f"request needs {need} KV slots, the pool has {pool}: raise max_kv_tokens")
 
     # ------------------------------------------------------------------ process
     def process(self, batch: ScheduledBatch, outcomes: Sequence[EntryOutcome]) -> None:
@@ -272,14 +268,14 @@ class Scheduler:
         request's output): KV bookkeeping, counts, finishing. One outcome per entry."""
         for entry, outcome in zip(batch.entries, outcomes, strict=True):
             req = entry.req
-            start = req.num_computed
-            req.num_computed += entry.num_new + outcome.num_accepted
+            start = req.kv.num_computed
+            req.kv.num_computed += entry.num_new + outcome.num_accepted
             if entry.draft:
                 self.drafter.verified(req, len(entry.draft), outcome.num_accepted)
                 self.kv.trim(req)  # the rejected guesses' slots
-            prompt_part = max(0, min(req.num_computed, len(req.prompt_ids)) - start)
+            prompt_part = max(0, min(req.kv.num_computed, len(req.prompt_ids)) - start)
             self.counters["prefill_tokens"] += prompt_part  # prompt positions
-            self.counters["decode_tokens"] += req.num_computed - start - prompt_part
+            self.counters["decode_tokens"] += req.kv.num_computed - start - prompt_part
             if outcome.prompt_logits is not None:  # the row after a whole prompt or pin
                 self.prompt_logits.keep(req, outcome.prompt_logits)
             if not outcome.at_end:
@@ -304,8 +300,8 @@ class Scheduler:
             self.fail(req, outcome.error, kind=outcome.error_kind)
             return
         self.counters["jump_forward_tokens"] += outcome.num_forced
-        if req.first_token_s is None:
-            req.first_token_s = time.monotonic()
+        if req.usage.first_token_s is None:
+            req.usage.first_token_s = time.monotonic()
         _notify(req.on_delta, req)
         if req.gen.finished:
             self._finish(req, req.gen.finish_reason)
@@ -357,7 +353,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Assert slot conservation and every request's KV bookkeeping."""
         for req in self.waiting.values():
-            assert req.capacity == 0 and req.lock_pos is None, f"waiting {req} holds KV"
+            assert req.kv.capacity == 0 and req.kv.lock_pos is None, f"waiting {req} holds KV"
         self.kv.check_integrity([*self.running, *self.pins.values()])
         self.prompt_logits.check_integrity()
 

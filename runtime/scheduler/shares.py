@@ -105,7 +105,7 @@ def fair_share_victims(
     claims: Counter[Hashable] = Counter()
     for req in running:
         claims[owner_of(req.namespace)] += claim_of(req)
-    latest_first = sorted(running, key=lambda r: r.admit_seq, reverse=True)
+    latest_first = sorted(running, key=lambda r: r.queue.admit_seq, reverse=True)
     seen: set[Hashable] = set()
     for req in sorted(waiting, key=lambda r: r.arrival):
         owner = owner_of(req.namespace)

@@ -82,7 +82,24 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     await asyncio.to_thread(server.engine.close, settings.drain_timeout)
 
 
-class Guard:
+class _HttpMiddleware:
+    """ASGI middleware that acts on HTTP requests only (`http`): any other scope (the
+    lifespan's startup and shutdown, a websocket) passes straight through to the app."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        await self.http(scope, receive, send)
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class Guard(_HttpMiddleware):
     """ASGI middleware: refuse an oversized declared body (413) or a missing or wrong API key
     (401); admin routes need an admin key (403); while the server drains for shutdown, every
     new request but the probes gets a 503 with Retry-After. Requests are counted after the key
@@ -93,14 +110,11 @@ class Guard:
     client's disconnect from the routes (so nobody could abort its work)."""
 
     def __init__(self, app: ASGIApp, server: Server, drain: Drain) -> None:
-        self.app = app
+        super().__init__(app)
         self.server = server
         self.drain = drain
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         refusal = self._refusal(Request(scope))
         if refusal is not None:
             await refusal(scope, receive, send)
@@ -167,21 +181,18 @@ def _api_key(header: str, allow_basic: bool) -> str:
     return ""
 
 
-class BodyLimit:
+class BodyLimit(_HttpMiddleware):
     """ASGI middleware: a body read past `limit_bytes` fails with 413, whether or not it
     declared a Content-Length (a chunked body is counted as it arrives), and a body not whole
     within `read_timeout_s` of the route asking for it fails with 408 (a slow-loris client:
     a deadline per part would let a byte every few seconds hold the connection for days)."""
 
     def __init__(self, app: ASGIApp, limit_bytes: int, read_timeout_s: float) -> None:
-        self.app = app
+        super().__init__(app)
         self.limit_bytes = limit_bytes
         self.read_timeout_s = read_timeout_s
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         num_bytes = 0
         body_done = False
         deadline: float | None = None  # set by the first read

@@ -106,8 +106,7 @@ async def completions(body: CompletionBody, request: Request, server: ServerDep)
                     **({"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}),
                 )
             )
-    handles = await server.submit(requests, server.tenant(request))
-    created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+    handles, cid, created = await _submit(server, request, requests, "cmpl")
     if body.stream:
         chunks = _completion_stream(server, body, handles, cid, created, echoes)
         return sse(server.engine, handles, chunks)
@@ -121,14 +120,7 @@ async def completions(body: CompletionBody, request: Request, server: ServerDep)
         }
         for i, r in enumerate(results)
     ]
-    return {
-        "id": cid,
-        "object": "text_completion",
-        "created": created,
-        "model": server.engine.config.model,
-        "choices": choices,
-        "usage": _usage(results, body.n),
-    }
+    return _whole_response(server, cid, "text_completion", created, choices, results, body.n)
 
 
 @router.post("/chat/completions")
@@ -155,8 +147,7 @@ async def chat(body: ChatBody, request: Request, server: ServerDep):
         )
         for i in range(body.n)
     ]
-    handles = await server.submit(requests, server.tenant(request))
-    created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+    handles, cid, created = await _submit(server, request, requests, "chatcmpl")
     if body.stream:
         chunks = _chat_stream(server, body, plan, handles, cid, created)
         return sse(server.engine, handles, chunks)
@@ -172,14 +163,7 @@ async def chat(body: ChatBody, request: Request, server: ServerDep):
                 "finish_reason": finish,
             }
         )
-    return {
-        "id": cid,
-        "object": "chat.completion",
-        "created": created,
-        "model": server.engine.config.model,
-        "choices": choices,
-        "usage": _usage(results, body.n),
-    }
+    return _whole_response(server, cid, "chat.completion", created, choices, results, body.n)
 
 
 def _room_after(server: Server, plan: ChatPlan) -> int:
@@ -231,6 +215,35 @@ def _checked(results: list[GenerateResult]) -> list[GenerateResult]:
         if failure is not None:
             raise failure
     return results
+
+
+async def _submit(
+    server: Server, request: Request, requests: list[GenerateRequest], id_prefix: str
+) -> tuple[list[RequestHandle], str, int]:
+    """Queue a route's requests as the caller's key: their handles, then the response's id
+    ("<id_prefix>-<hex>") and creation time in Unix seconds, which its stream frames repeat."""
+    handles = await server.submit(requests, server.tenant(request))
+    return handles, f"{id_prefix}-{uuid.uuid4().hex}", int(time.time())
+
+
+def _whole_response(
+    server: Server,
+    cid: str,
+    kind: str,
+    created_s: int,
+    choices: list[dict],
+    results: list[GenerateResult],
+    n: int,
+) -> dict:
+    """A non-streamed response of OpenAI's `kind` ("object"), its n choices per prompt."""
+    return {
+        "id": cid,
+        "object": kind,
+        "created": created_s,
+        "model": server.engine.config.model,
+        "choices": choices,
+        "usage": _usage(results, n),
+    }
 
 
 def _usage(results: list[GenerateResult], n: int) -> dict:
@@ -304,7 +317,7 @@ async def _pieces(handle: RequestHandle) -> AsyncGenerator[tuple[str, list[Token
         yield "", pending
 
 
-async def _completion_stream(
+def _completion_stream(
     server: Server,
     body: CompletionBody,
     handles: list[RequestHandle],
@@ -340,14 +353,10 @@ async def _completion_stream(
         yield chunk(index, "", finish_reason(result))
 
     results: list[GenerateResult | None] = [None] * len(handles)
-    async with contextlib.aclosing(_choices_interleaved(choice, handles)) as frames:
-        async for out in frames:
-            yield out
-    if body.include_usage and all(r is not None for r in results):
-        yield frame([], usage=_usage(results, body.n))
+    return _choices_interleaved(choice, handles, results, frame, body)
 
 
-async def _chat_stream(
+def _chat_stream(
     server: Server,
     body: ChatBody,
     plan: ChatPlan,
@@ -386,11 +395,7 @@ async def _chat_stream(
         yield chunk(index, {}, finish_reason(result, deltas.num_calls > 0), pending)
 
     results: list[GenerateResult | None] = [None] * len(handles)
-    async with contextlib.aclosing(_choices_interleaved(choice, handles)) as frames:
-        async for out in frames:
-            yield out
-    if body.include_usage and all(r is not None for r in results):
-        yield frame([], usage=_usage(results, body.n))
+    return _choices_interleaved(choice, handles, results, frame, body)
 
 
 class _ChoiceFailed(Exception):
@@ -404,9 +409,14 @@ class _ChoiceFailed(Exception):
 async def _choices_interleaved(
     choice: Callable[[int, RequestHandle], AsyncGenerator[str, None]],
     handles: list[RequestHandle],
+    results: list[GenerateResult | None],
+    frame: Callable[..., str],
+    body: CompletionBody | ChatBody,
 ) -> AsyncGenerator[str, None]:
     """Each choice's frames as they come, the n choices interleaved as their tokens are
-    produced; a failed choice's error frame ends the stream (the others are aborted)."""
+    produced; a failed choice's error frame ends the stream (the others are aborted). When
+    every choice finished (`choice` fills `results`) and `body` asked for usage, a last
+    `frame` carries it."""
     streams = [choice(index, handle) for index, handle in enumerate(handles)]
     async with contextlib.aclosing(interleave(streams)) as frames:
         try:
@@ -414,3 +424,5 @@ async def _choices_interleaved(
                 yield out
         except _ChoiceFailed as failed:
             yield failed.frame
+    if body.include_usage and all(r is not None for r in results):
+        yield frame([], usage=_usage(results, body.n))

@@ -22,7 +22,7 @@ from runtime.errors import InvalidRequestError
 from runtime.protocol import TOOL_NAME_PATTERN, Constraint, SamplingParams, ToolSpec
 from runtime.server.errors import invalid_input
 from runtime.server.fields import AuditedFields, ignored_field, unsupported_field
-from runtime.server.sglang_schemas import structural_tag_of, token_biases
+from runtime.server.sglang_schemas import common_sampling_fields, structural_tag_of
 
 
 class _OpenAIFields(AuditedFields):
@@ -170,23 +170,12 @@ class _OpenAISampling(_OpenAIFields):
         with invalid_input():
             return SamplingParams(
                 max_new_tokens=max_tokens,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                top_k=max(0, self.top_k),
-                min_p=self.min_p,
-                repetition_penalty=self.repetition_penalty,
-                stop=self.stop,
-                stop_token_ids=self.stop_token_ids or [],
-                skip_special_tokens=self.skip_special_tokens,
-                seed=seed,
-                frequency_penalty=self.frequency_penalty,
-                presence_penalty=self.presence_penalty,
-                logit_bias=token_biases(self.logit_bias),
-                logprobs=logprobs,
-                top_logprobs=top_logprobs,
-                ignore_eos=self.ignore_eos,
                 min_new_tokens=self.min_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                seed=seed,
+                logprobs=logprobs,
+                top_logprobs=top_logprobs,
+                **common_sampling_fields(self),
             )
 
     def cache_namespace(self) -> str | None:

@@ -101,21 +101,10 @@ class SGLangSamplingParams(SGLangFields):
             params = SamplingParams(
                 max_new_tokens=max_new_tokens,
                 min_new_tokens=self.min_new_tokens,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                top_k=max(0, self.top_k),
-                min_p=self.min_p,
-                frequency_penalty=self.frequency_penalty,
-                presence_penalty=self.presence_penalty,
-                repetition_penalty=self.repetition_penalty,
-                stop=self.stop,
-                stop_token_ids=self.stop_token_ids or [],
                 stop_regex=self.stop_regex,
-                ignore_eos=self.ignore_eos,
-                skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.no_stop_trim,
                 seed=seed,
-                logit_bias=token_biases(self.logit_bias),
+                **common_sampling_fields(self),
                 **logprobs,
             )
         return params, constraint_of(
@@ -322,6 +311,25 @@ def token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
                 f"logit_bias keys are token ids (as strings), got {key!r}"
             ) from err
     return biases
+
+
+def common_sampling_fields(body: Any) -> dict[str, Any]:
+    """The SamplingParams fields that SGLang's and OpenAI's bodies name and mean alike, read
+    off `body`: both APIs map them the same way (top_k -1 is "none", as the engine's 0)."""
+    return {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": max(0, body.top_k),
+        "min_p": body.min_p,
+        "frequency_penalty": body.frequency_penalty,
+        "presence_penalty": body.presence_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "stop": body.stop,
+        "stop_token_ids": body.stop_token_ids or [],
+        "ignore_eos": body.ignore_eos,
+        "skip_special_tokens": body.skip_special_tokens,
+        "logit_bias": token_biases(body.logit_bias),
+    }
 
 
 def _is_ids(value: list) -> bool:

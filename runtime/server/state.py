@@ -133,11 +133,7 @@ class Server:
             raise InvalidRequestError("a batch gives one request id to several requests")
         handles = [TenantHandle(rid, f"{tenant}/{rid}" if self.keys else rid) for rid in rids]
         with self._inflight_lock:
-            if self.inflight[tenant] + len(rids) > limit:
-                raise TooManyRequestsError(
-                    f"this API key has {self.inflight[tenant]} requests in flight "
-                    f"(limit {limit}); retry when some finish"
-                )
+            _refuse_past_limit(self.inflight[tenant], len(rids), limit, _IN_FLIGHT)
             for rid in rids:
                 if (tenant, rid) in self._requests:
                     raise InvalidRequestError(f"request id {rid!r} is already in flight")
@@ -158,11 +154,7 @@ class Server:
         gives them back."""
         limit = self.settings.max_requests_per_key
         with self._inflight_lock:
-            if self.inflight[tenant] + num_requests > limit:
-                raise TooManyRequestsError(
-                    f"this API key has {self.inflight[tenant]} requests in flight "
-                    f"(limit {limit}); retry when some finish"
-                )
+            _refuse_past_limit(self.inflight[tenant], num_requests, limit, _IN_FLIGHT)
             self.inflight[tenant] += num_requests
 
     def release_work(self, tenant: str, num_requests: int) -> None:
@@ -175,11 +167,7 @@ class Server:
         TooManyRequestsError (429): the engine's loop hands every event to every follower."""
         limit = self.settings.max_kv_followers_per_key
         with self._inflight_lock:
-            if self._kv_followers[tenant] >= limit:
-                raise TooManyRequestsError(
-                    f"this API key has {self._kv_followers[tenant]} KV event followers "
-                    f"(limit {limit}); close one first"
-                )
+            _refuse_past_limit(self._kv_followers[tenant], 1, limit, _KV_FOLLOWERS)
             self._kv_followers[tenant] += 1
 
     def remove_kv_follower(self, tenant: str) -> None:
@@ -266,6 +254,20 @@ class TenantHandle:
             if result.error is not None and self.engine_rid != self.rid:
                 update["error"] = result.error.replace(self.engine_rid, self.rid)
             self.future.set_result(result.model_copy(update=update))
+
+
+_IN_FLIGHT = ("requests in flight", "retry when some finish")
+_KV_FOLLOWERS = ("KV event followers", "close one first")
+
+
+def _refuse_past_limit(
+    num_held: int, num_more: int, limit: int, held_and_advice: tuple[str, str]
+) -> None:
+    """A TooManyRequestsError (429) if `num_more` would take an API key's `num_held` past its
+    `limit`; the message names what it holds and what to do (`held_and_advice`)."""
+    if num_held + num_more > limit:
+        held, advice = held_and_advice
+        raise TooManyRequestsError(f"this API key has {num_held} {held} (limit {limit}); {advice}")
 
 
 def get_server(request: Request) -> Server:

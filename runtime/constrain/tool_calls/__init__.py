@@ -12,6 +12,7 @@ Everything a caller needs is named here.
 
 from __future__ import annotations
 
+from runtime.constrain.format_names import canonical_format_name
 from runtime.constrain.tool_calls.base import ParsedCalls, ToolFormat
 from runtime.constrain.tool_calls.composition import (
     answer_after_reasoning,
@@ -68,12 +69,5 @@ class UnknownToolFormat(ValueError):
 
 def tool_format(name: str) -> ToolFormat:
     """The tool call format called `name` (or one of its aliases)."""
-    key = name.strip().lower()
-    key = _ALIASES.get(key, key)
-    if key not in _FORMATS:
-        aliases = ", ".join(f"{a} ({b})" for a, b in _ALIASES.items())
-        raise UnknownToolFormat(
-            f"unknown tool call parser {name!r}; known: {', '.join(FORMAT_NAMES)} "
-            f"(aliases: {aliases})"
-        )
+    key = canonical_format_name(name, FORMAT_NAMES, _ALIASES, UnknownToolFormat, "tool call parser")
     return _FORMATS[key]

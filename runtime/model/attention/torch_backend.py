@@ -157,7 +157,11 @@ class TorchAttention(AttentionBackend):
         """One extend's new rows q (num_new, heads, d) over its whole sequence's K/V (seq_len,
         kv_heads, d), causal by absolute position -> (num_new, heads, d)."""
         mask = self._extend_mask(i, ext, window)
-        return _sdpa(q, k_seq, v_seq, mask, mask is None, self.softcap)
+        # attention() takes batches with heads first: this extend is a batch of one
+        # (1, heads, num_new, d) over (1, kv_heads, seq_len, d)
+        q, k_seq, v_seq = (t.transpose(0, 1).unsqueeze(0) for t in (q, k_seq, v_seq))
+        out = attention(q, k_seq, v_seq, mask, mask is None, self.softcap)
+        return out.squeeze(0).transpose(0, 1)
 
     def _attend_decodes(self, layer: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
         """q (num_decodes, num_heads, head_dim) -> same shape; one padded SDPA call."""
@@ -220,26 +224,6 @@ class TorchAttention(AttentionBackend):
                     mask &= k_pos > q_pos - window
             self._mask_cache[key] = mask
         return self._mask_cache[key]
-
-
-def _sdpa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    causal: bool,
-    softcap: float | None,
-) -> torch.Tensor:
-    """q (n, heads, d), k/v (L, kv_heads, d) -> (n, heads, d)."""
-    out = attention(
-        q.transpose(0, 1).unsqueeze(0),  # (1, heads, n, d)
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        mask,
-        causal,
-        softcap,
-    )
-    return out.squeeze(0).transpose(0, 1)
 
 
 def attention(

@@ -1,0 +1,248 @@
+"""Agent-trace cells (W7, issue 52): a drawn batch of agents through `run_batch` under each KV
+setting, a fresh engine per row; one table per cell.
+
+Rows: an unbounded pool (its prefill computed is the exact bound: the same batch, nothing
+evicted; it also measures the working set the other pools are sized from), lru and graph
+eviction with the pool at the cell's share of that working set, and lru with a host tier as
+large as the working set under the same pool. Columns: prefill tokens computed and their ratio
+to the exact bound, mean / p90 / p99 program completion seconds (from the batch's start), the
+makespan, throughput in programs per second, requests the engine refused as busy and the
+bench resubmitted (pins and running prefixes held the pool), and whether every program's
+output equals the unbounded run's. The header also gives the analytic bound (the union of
+every prompt minus the KV computed while decoding), which the unbounded run meets at page
+size 1.
+
+One run per row on a shared machine: the counters are exact, the times indicative.
+
+    python examples/benchmarks/agent_trace_bench.py --tiny --cells 1
+    python examples/benchmarks/agent_trace_bench.py --cells 1 --pool-fraction 0.35 --page-size 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+from agent_traces import PRESETS, AgentBatch, draw_batch, vary
+from eviction_cells import TINY_MODEL, load_bench_tokenizer
+
+from flowlang.backends.local import LocalBackend
+from programs.agent_trace import agent_trace
+from runtime.cache.replay import working_set
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.engine_tools import cache_trace
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+POOL_BYTES_CAP = 10 * 2**30  # pool + host tier per engine: two engines fit in 24 GB
+UNBOUNDED_HEADROOM = 1.5  # the unbounded pool over the estimated working set
+HOST_HEADROOM = 1.25  # the host tier over the measured working set
+RETRY_AFTER_S = 0.05  # a refused request is resubmitted after this
+
+
+class RetryingBackend(LocalBackend):
+    """A LocalBackend that resubmits a request the engine refused as busy ("retry later": pins
+    and running prefixes hold the whole pool), as a client that honours the answer does; the
+    table counts the retries (greedy, so a retried request gives the same output)."""
+
+    def __init__(self, engine, record: bool = False) -> None:
+        super().__init__(engine, record)
+        self.retries = 0
+        self._retries_lock = threading.Lock()
+
+    def generate(self, request):
+        return _RetryingHandle(self, request)
+
+    def submit(self, request):
+        return super().generate(request)
+
+    def retried(self) -> None:
+        with self._retries_lock:
+            self.retries += 1
+        time.sleep(RETRY_AFTER_S)
+
+
+class _RetryingHandle:
+    def __init__(self, backend: RetryingBackend, request) -> None:
+        self.backend, self.request = backend, request
+        self.handle, self.final = backend.submit(request), None
+
+    def __iter__(self):
+        while self.final is None:
+            yield from self.handle
+            result = self.handle.result()
+            if result.finish_reason == "error" and result.error_kind == "busy":
+                self.backend.retried()
+                self.handle = self.backend.submit(self.request)
+            else:
+                self.final = result
+
+    def result(self):
+        for _ in self:  # whatever is left of the stream and its retries
+            pass
+        return self.final
+
+
+@dataclass(frozen=True)
+class RowResult:
+    computed: int  # prefill tokens computed
+    evicted: int
+    completions_s: list[float]  # per program, from the batch's start
+    makespan_s: float
+    outputs: list[tuple | None]  # per program: its tokens and its subagents' reports
+    failures: list[str]  # the programs that failed (the engine refused a request)
+    working_set: int  # tokens, from the recorded trace (unbounded row only)
+    analytic_bound: int  # prefill lower bound from the recorded requests (unbounded row only)
+    kv_bytes_per_token: int
+    retries: int  # requests the engine refused as busy, resubmitted
+
+
+def make_engine(model: str, tokenizer, capacity: int, policy: str, batch, **settings) -> Engine:
+    engine = Engine(
+        EngineConfig(
+            model=model,
+            max_kv_tokens=capacity,
+            eviction_policy=policy,
+            page_size=batch.page_size,
+            **settings,
+        )
+    )
+    if engine.tokenizer is None:  # a random-weight model: lend it the real tokenizer
+        engine.tokenizer = engine.intake.tokenizer = tokenizer
+    return engine
+
+
+def run_row(batch: AgentBatch, model: str, tokenizer, capacity: int, policy: str, **settings):
+    """The batch through agent_trace.run_batch on a fresh `capacity`-slot engine."""
+    with make_engine(model, tokenizer, capacity, policy, batch, **settings) as engine:
+        recording = bool(settings.get("record_trace"))  # the unbounded row: bounds measured
+        backend = RetryingBackend(engine, record=recording)
+        start = time.perf_counter()
+        states = agent_trace.run_batch(
+            batch.batch_args(), backend=backend, progress=False, max_workers=len(batch.agents)
+        )
+        makespan_s = time.perf_counter() - start
+        done = [s for s in states if hasattr(s, "text")]  # a failure is an InstanceError
+        engine.check_integrity()
+        stats = engine.stats()
+        trace = cache_trace(engine) if recording else []
+        return RowResult(
+            int(stats["prefill_tokens_total"]),
+            int(stats["evicted_tokens_total"]),
+            [s["finished_s"] - start for s in done],
+            makespan_s,
+            [
+                (tuple(s.token_ids()), tuple(s.get("report") or ())) if hasattr(s, "text") else None
+                for s in states
+            ],  # fmt: skip
+            [str(s) for s in states if not hasattr(s, "text")],
+            working_set(trace) if trace else 0,
+            backend.prompt_report()["lower_bound"] if recording else 0,
+            engine.arch.kv_bytes_per_token(engine.config.dtype),
+            backend.retries,
+        )
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def run_cell(batch: AgentBatch, model: str, tokenizer, attention: str) -> dict[str, RowResult]:
+    """Every row of one cell: the unbounded run first (it sizes the others' pools)."""
+    rows: dict[str, RowResult] = {}
+    capacity = math.ceil(batch.working_set_tokens() * UNBOUNDED_HEADROOM)
+    common = {"attention_backend": attention}
+    rows["unbounded pool"] = run_row(batch, model, tokenizer, capacity, "lru",
+                                     record_trace=True, **common)  # fmt: skip
+    unbounded = rows["unbounded pool"]
+    pool = batch.pool_tokens(unbounded.working_set)
+    host_gib = unbounded.working_set * unbounded.kv_bytes_per_token * HOST_HEADROOM / 2**30
+    check_memory(max(capacity, pool) * unbounded.kv_bytes_per_token + host_gib * 2**30)
+    rows["lru"] = run_row(batch, model, tokenizer, pool, "lru", **common)
+    rows["graph"] = run_row(batch, model, tokenizer, pool, "graph", **common)
+    rows[f"lru + {host_gib:.2g} GiB host tier"] = run_row(
+        batch, model, tokenizer, pool, "lru", host_kv_gb=host_gib, **common
+    )
+    return rows
+
+
+def check_memory(bytes_needed: float) -> None:
+    if bytes_needed > POOL_BYTES_CAP:
+        raise SystemExit(
+            f"an engine would hold {bytes_needed / 2**30:.1f} GiB of KV (the cap is "
+            f"{POOL_BYTES_CAP / 2**30:.0f} GiB, so two fit in 24 GB): use fewer --agents"
+        )
+
+
+def print_cell(batch: AgentBatch, rows: dict[str, RowResult]) -> None:
+    unbounded = rows["unbounded pool"]
+    bound, reference = unbounded.computed, unbounded.outputs
+    print(f"\n{batch.describe()}")
+    print(f"working set {unbounded.working_set:,} tokens (estimated "
+          f"{batch.working_set_tokens():,}), pool {batch.pool_tokens(unbounded.working_set):,}; "
+          f"exact bound {bound:,} prefill tokens, analytic bound {unbounded.analytic_bound:,}"
+          + ("" if not unbounded.evicted else
+             f" (the unbounded pool evicted {unbounded.evicted:,}: not a bound)"))  # fmt: skip
+    print(f"{'row':<26} {'prefill':>9} {'÷ bound':>8} {'mean s':>7} {'p90 s':>7} {'p99 s':>7} "
+          f"{'makespan':>9} {'prog/s':>7} {'retries':>7} {'outputs':>8}")  # fmt: skip
+    for name, row in rows.items():
+        done = row.completions_s or [math.nan]
+        same = "equal" if row.outputs == reference else "DIFFER"
+        print(f"{name:<26} {row.computed:>9,} {row.computed / bound:>7.2f}x "
+              f"{statistics.mean(done):>7.1f} {percentile(done, 0.9):>7.1f} "
+              f"{percentile(done, 0.99):>7.1f} {row.makespan_s:>8.1f}s "
+              f"{len(row.completions_s) / row.makespan_s:>7.3f} {row.retries:>7} "
+              f"{same:>8}" + (f"  {len(row.failures)} failed" if row.failures else ""))  # fmt: skip
+    for name, row in rows.items():
+        for failure in row.failures[:2]:
+            print(f"  {name}: {failure[:160]}")
+
+
+def shape_with(shape, specs: list[str]):
+    """`shape` with each `FIELD=LO-HI` (or `FIELD=VALUE`) of `specs` applied."""
+    changes = {}
+    for spec in specs:
+        key, _, value = spec.partition("=")
+        key = key.replace("-", "_")
+        number = float if "." in value else int
+        lo, _, hi = value.partition("-")
+        is_span = isinstance(getattr(shape, key), tuple)
+        changes[key] = (number(lo), number(hi or lo)) if is_span else number(value)
+    return vary(shape, **changes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--tiny", action="store_true", help=f"the tiny random model ({TINY_MODEL})")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="default: tiny with --tiny")
+    parser.add_argument("--shape", action="append", default=[], metavar="FIELD=LO-HI",
+                        help="change a range of the preset, e.g. rounds=10-40")  # fmt: skip
+    parser.add_argument("--agents", type=int, help="default: drawn from the preset")
+    parser.add_argument("--pool-fraction", type=float, help="default: drawn (0.25-0.6)")
+    parser.add_argument("--page-size", type=int, help="default: drawn (1 or 16)")
+    parser.add_argument("--time-scale", type=float, help="tool gaps x this (default: preset's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cells", type=int, default=1, help="cells, seeds seed, seed + 1, ...")
+    parser.add_argument(
+        "--attention", default="torch", help="torch (the reference): outputs compare"
+    )
+    args = parser.parse_args()
+    model = TINY_MODEL if args.tiny else args.model
+    shape = shape_with(PRESETS[args.preset or ("tiny" if args.tiny else "default")], args.shape)
+    if args.time_scale is not None:
+        shape = vary(shape, time_scale=args.time_scale)
+    tokenizer = load_bench_tokenizer() if model.startswith("random:") else None
+    print(f"model {model}, attention {args.attention}; one run per row")
+    for cell in range(args.cells):
+        batch = draw_batch(shape, args.seed + cell, args.agents, args.pool_fraction, args.page_size)
+        print_cell(batch, run_cell(batch, model, tokenizer, args.attention))
+
+
+if __name__ == "__main__":
+    main()

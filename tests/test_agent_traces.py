@@ -1,0 +1,132 @@
+"""The agent-trace family (examples/benchmarks/agent_traces.py) and its replay program
+(programs/agent_trace.py): the generator's draws keep to the family's ranges and its gap
+distribution, seeds reproduce, and a small batch on the tiny random model computes exactly the
+analytic prefill bound with an unbounded pool, more under lru with a small pool, and the same
+greedy outputs under lru, graph and the unbounded pool."""
+
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from programs.agent_trace import TOOL_NAMES, WORDS, words_text
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "benchmarks"))
+import agent_trace_bench as bench  # noqa: E402
+import agent_traces as traces  # noqa: E402
+
+SEEDS = range(12)
+
+
+def within(value, span) -> bool:
+    return span[0] <= value <= span[1]
+
+
+def test_words_are_one_token_each(default_tokenizer):
+    for word in WORDS:
+        assert len(default_tokenizer.encode(" " + word, add_special_tokens=False)) == 1, word
+    text = words_text(400, "k")
+    assert len(default_tokenizer.encode(text, add_special_tokens=False)) == 400
+    assert text == words_text(400, "k") != words_text(400, "other")
+
+
+def test_gaps_follow_the_coding_agent_distribution():
+    rng = random.Random(7)
+    draws = [traces.draw_gap_s(rng) for _ in range(40_000)]
+    gaps = [g for g, _ in draws]
+    assert abs(sum(g <= 1.0 for g in gaps) / len(gaps) - 0.86) < 0.01
+    assert abs(sum(g <= 10.0 for g in gaps) / len(gaps) - 0.95) < 0.01
+    assert max(gaps) > 30 and min(gaps) >= 0.02 and max(gaps) <= 60
+    assert {name for _, name in draws} == set(TOOL_NAMES)
+    # the slow tools are the slow calls (what each tool declares is its bucket's middle)
+    assert all(g >= 10 for g, name in draws if name == "run_tests")
+
+
+@pytest.mark.parametrize("preset", sorted(traces.PRESETS))
+def test_every_field_keeps_to_its_range(preset):
+    shape = traces.PRESETS[preset]
+    for seed in SEEDS:
+        batch = traces.draw_batch(shape, seed)
+        assert within(len(batch.agents), shape.agents)
+        assert within(batch.pool_share, shape.pool_share) and batch.page_size in (1, 16)
+        spawning = [a for a in batch.agents if a.subagents]
+        assert within(len(spawning) / len(batch.agents), shape.spawn_share)
+        for agent in batch.agents:
+            assert within(agent.context_tokens, shape.context_tokens)
+            assert within(len(agent.rounds), shape.rounds)
+            assert within(agent.answer_tokens, shape.answer_tokens)
+            rounds = list(agent.rounds)
+            if agent.subagents:
+                assert within(len(agent.subagents), shape.subagents)
+                assert 0 <= agent.fork_after_round < len(agent.rounds) - 1
+            for sub in agent.subagents:
+                assert within(sub.task_tokens, shape.subagent_task_tokens)
+                assert within(len(sub.rounds), shape.subagent_rounds)
+                assert within(sub.report_tokens, shape.report_tokens)
+                rounds += sub.rounds
+            for round_ in rounds:
+                assert within(round_.assistant_tokens, shape.assistant_tokens)
+                assert len(round_.calls) in (1, 2)
+                for call in round_.calls:
+                    assert call.tool in TOOL_NAMES and 0.02 <= call.gap_s <= 60
+                    assert within(call.result_tokens, shape.result_tokens)
+        assert batch.working_set_tokens() > sum(a.context_tokens for a in batch.agents)
+
+
+def test_the_drawn_shares_land_in_their_ranges_across_seeds():
+    shape = traces.PRESETS["family"]
+    batches = [traces.draw_batch(shape, seed) for seed in range(40)]
+    for batch in batches:
+        rounds = [r for a in batch.agents for r in a.rounds]
+        parallel = sum(len(r.calls) == 2 for r in rounds) / len(rounds)
+        assert abs(parallel - batch.parallel_share) < 0.1
+    lengths = [len(a.rounds) for b in batches for a in b.agents]
+    assert min(lengths) == 4 and max(lengths) >= 35  # the family's whole range is drawn
+    assert len({len(b.agents) for b in batches}) > 10
+
+
+def test_seeds_reproduce_and_differ():
+    shape = traces.PRESETS["default"]
+    assert traces.draw_batch(shape, 3) == traces.draw_batch(shape, 3)
+    assert traces.draw_batch(shape, 3) != traces.draw_batch(shape, 4)
+    fixed = traces.draw_batch(shape, 3, num_agents=9, pool_share=0.35, page_size=1)
+    assert (len(fixed.agents), fixed.pool_share, fixed.page_size) == (9, 0.35, 1)
+    varied = traces.vary(shape, rounds=(20, 30))
+    assert all(20 <= len(a.rounds) <= 30 for a in traces.draw_batch(varied, 3).agents)
+
+
+# ---------------------------------------------------------------------- on the tiny model
+
+SMALL = replace(traces.PRESETS["tiny"], rounds=(4, 4), context_tokens=(200, 300))
+
+
+@pytest.fixture(scope="module")
+def batch():
+    batch = traces.draw_batch(SMALL, seed=5, num_agents=8, pool_share=0.3, page_size=1)
+    assert any(a.subagents for a in batch.agents)
+    assert any(len(r.calls) == 2 for a in batch.agents for r in a.rounds)
+    return batch
+
+
+def test_counters_are_exact_and_outputs_equal_under_every_policy(tiny_model_dir, batch):
+    model = str(tiny_model_dir)
+    capacity = 3 * batch.working_set_tokens()
+    unbounded = bench.run_row(batch, model, None, capacity, "lru", record_trace=True)
+    assert unbounded.evicted == 0 and not unbounded.failures
+    # the exact bound: each shared prefix once, each reply's KV reused by the next round
+    assert unbounded.computed == unbounded.analytic_bound
+    again = bench.run_row(batch, model, None, capacity, "graph")
+    assert again.computed == unbounded.computed and again.outputs == unbounded.outputs
+    pool = batch.pool_tokens(unbounded.working_set)
+    assert pool < unbounded.working_set
+    for policy in ("lru", "graph"):
+        row = bench.run_row(batch, model, None, pool, policy)
+        assert not row.failures and row.outputs == unbounded.outputs, policy
+        assert row.computed > unbounded.computed, policy
+        assert row.evicted > 0
+    assert len(unbounded.completions_s) == len(batch.agents)
+    assert max(unbounded.completions_s) <= unbounded.makespan_s
