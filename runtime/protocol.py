@@ -232,6 +232,15 @@ class GraphHints(_Frozen):
         "for the work ahead to finish before it admits new work (at most the owner's share "
         "of the pool: a hint is advice, never a reservation)",
     )
+    expected_output_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_HINT_FUTURE_TOKENS,
+        description="about how many tokens this request will generate (Dynamo's `osl`): "
+        "advice for what the scheduler would otherwise take from max_new_tokens (the growth "
+        "it reserves for a running request, output-length ordering); never a limit: "
+        "max_new_tokens still ends the request, and an estimate above it counts as it",
+    )
 
 
 class GenerateRequest(_Frozen):

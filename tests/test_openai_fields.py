@@ -205,6 +205,10 @@ COMMON_PROBES: dict[str, tuple[dict, Any]] = {
     "guided_grammar": ({"guided_grammar": 'root ::= "a"'}, REQUEST),
     "structured_outputs": ({"structured_outputs": {"choice": ["yes", "no"]}}, REQUEST),
     "priority": ({"priority": 3}, REQUEST),
+    # agent hints (the mapping is tests/test_agent_hints.py's)
+    "session_id": ({"session_id": "run-1"}, REQUEST),
+    "nvext": ({"nvext": {"agent_hints": {"osl": 8}}}, REQUEST),
+    "hints": ({"hints": {"continuation": True}}, REQUEST),
     "namespace": ({"namespace": "team-a"}, REQUEST),
     "cache_salt": ({"cache_salt": "team-a"}, REQUEST),
 }

@@ -219,3 +219,22 @@ def test_abort_frees_everything_in_every_state():
     sched.check_integrity()
     assert sched.kv.cache.protected_size == 0
     assert sched.kv.allocator.num_used_slots == sched.kv.cache.total_size
+
+
+def test_an_expected_output_length_reserves_that_much_growth_not_a_share_of_max_new_tokens():
+    """Dynamo's `osl` / hints.expected_output_tokens: admission reserves the estimate for a
+    request's growth, so requests with long limits but short expected answers run together
+    (without it each reserves a share of max_new_tokens and they start one at a time)."""
+
+    def admitted_at_once(hints: GraphHints) -> int:
+        sched = scheduler(num_slots=2048)
+        for i in range(4):
+            ids = [i + 1] * 100
+            params = SamplingParams(temperature=0, max_new_tokens=1500, ignore_eos=True)
+            gen = GenerationState(params, ids, None, (), VOCAB)
+            sched.add(Req(f"r{i}", ids, gen, ReqKind.GENERATE, None, hints, i))
+        sched.schedule()
+        return len(sched.running)
+
+    assert admitted_at_once(GraphHints(expected_output_tokens=50)) == 4
+    assert admitted_at_once(GraphHints()) < 4

@@ -226,6 +226,9 @@ class Scheduler:
     def growth_reserve(self, req: Req) -> int:
         if req.kind is not ReqKind.GENERATE:
             return 0
+        expected = req.hints.expected_output_tokens  # the client's estimate (Dynamo's osl)
+        if expected is not None:  # instead of a share of max_new_tokens; retraction if short
+            return min(req.remaining_new_tokens, max(0, expected - len(req.gen.output_ids)))
         return math.ceil(req.remaining_new_tokens * self.new_token_ratio)
 
     def _ensure_decode_slots(self) -> None:

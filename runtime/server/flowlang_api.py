@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from runtime.engine_api import EngineAPI
 from runtime.protocol import GenerateRequest, GraphHints, PinInfo, ScoreRequest, ScoreResult
 from runtime.scoring import Cancellation, check_score_size, num_in_flight
+from runtime.server.agent_hints import tenant_hints
 from runtime.server.state import ServerDep, TenantHandle
 from runtime.server.streaming import sse, unless_gone
 
@@ -63,7 +64,9 @@ async def tokenize(body: TokenizeBody, server: ServerDep):
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request, server: ServerDep):
     """One request, streamed: {"delta": text} events, then {"result": GenerateResult}."""
-    body = body.model_copy(update={"namespace": server.namespace(request, body.namespace)})
+    namespace = server.namespace(request, body.namespace)
+    hints = tenant_hints(server, request, body.hints)
+    body = body.model_copy(update={"namespace": namespace, "hints": hints})
     handles = await server.submit([body], server.tenant(request))
     return sse(server.engine, handles, _events(handles[0]))
 
@@ -109,7 +112,8 @@ async def pin(body: PinBody, request: Request, server: ServerDep):
     num_tokens = len(body.prefix_ids) if server.engine.caches_prefixes else 0
     server.leases.reserve(tenant, num_tokens)  # before the prefill: concurrent pins count
     try:
-        handle = await asyncio.to_thread(server.engine.pin, body.prefix_ids, namespace, body.hints)
+        hints = tenant_hints(server, request, body.hints)
+        handle = await asyncio.to_thread(server.engine.pin, body.prefix_ids, namespace, hints)
     except BaseException:
         server.leases.unreserve(tenant, num_tokens)
         raise

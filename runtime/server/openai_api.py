@@ -18,10 +18,10 @@ from runtime.handles import RequestHandle
 from runtime.protocol import (
     GenerateRequest,
     GenerateResult,
-    GraphHints,
     SamplingParams,
     TokenLogprob,
 )
+from runtime.server.agent_hints import graph_hints
 from runtime.server.chat_turn import ChatDeltas, ChatPlan, chat_message, finish_reason, plan_chat
 from runtime.server.errors import AsciiJSONResponse, error_frame, failure_of
 from runtime.server.fields import AuditedFields
@@ -87,6 +87,7 @@ async def completions(body: CompletionBody, request: Request, server: ServerDep)
     _log_ignored("/v1/completions", body)
     logprobs = body.logprobs is not None
     namespace = server.namespace(request, body.cache_namespace())
+    hints = graph_hints(server, request, body)
     constraint = body.constraint()
     max_tokens = body.max_tokens or COMPLETION_MAX_TOKENS
     requests, echoes = [], []
@@ -102,7 +103,7 @@ async def completions(body: CompletionBody, request: Request, server: ServerDep)
                     sampling=params,
                     constraint=constraint,
                     namespace=namespace,
-                    hints=GraphHints(priority=body.priority),
+                    hints=hints,
                     **({"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}),
                 )
             )
@@ -137,12 +138,13 @@ async def chat(body: ChatBody, request: Request, server: ServerDep):
     top = body.top_logprobs or 0
     max_tokens = body.max_completion_tokens or body.max_tokens or _room_after(server, plan)
     namespace = server.namespace(request, body.cache_namespace())
+    hints = graph_hints(server, request, body)
     requests = [
         GenerateRequest(
             input_ids=plan.prompt_ids,
             constraint=plan.constraint,
             namespace=namespace,
-            hints=GraphHints(priority=body.priority),
+            hints=hints,
             sampling=_chat_sampling(body, plan, max_tokens, i, top),
         )
         for i in range(body.n)

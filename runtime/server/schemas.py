@@ -19,7 +19,7 @@ from pydantic import Field, model_validator
 from runtime.constrain.check import MAX_NESTING_DEPTH
 from runtime.constrain.tool_prompt import arguments_nest_too_deep
 from runtime.errors import InvalidRequestError
-from runtime.protocol import TOOL_NAME_PATTERN, Constraint, SamplingParams, ToolSpec
+from runtime.protocol import TOOL_NAME_PATTERN, Constraint, GraphHints, SamplingParams, ToolSpec
 from runtime.server.errors import invalid_input
 from runtime.server.fields import AuditedFields, ignored_field, unsupported_field
 from runtime.server.sglang_schemas import common_sampling_fields, structural_tag_of
@@ -138,6 +138,17 @@ class _OpenAISampling(_OpenAIFields):
         True,
     )
     priority: int = Field(0, description="higher is scheduled (and kept in cache) first")
+    # what the request's program is, from clients that are not flowlang programs (agent_hints)
+    session_id: str | None = Field(
+        None, description="SGLang's session id: the requests that share it are one program"
+    )
+    nvext: dict[str, Any] | None = Field(
+        None, description="NVIDIA Dynamo's extension: agent_hints and agent_context"
+    )
+    hints: GraphHints | None = Field(
+        None, description="flowlang's graph hints, as /v1/flowlang/generate takes them"
+    )
+    session_params: Any = unsupported_field("SGLang's sessions that rebuild the prompt")
     request_id: str | None = ignored_field("each choice gets its own engine id")
     namespace: str | None = Field(None, description="flowlang's cache salt")
     user: str | None = ignored_field(_METADATA)

@@ -24,6 +24,7 @@ from runtime.engine_api import EngineAPI
 from runtime.handles import RequestHandle
 from runtime.protocol import GenerateRequest, GenerateResult, GraphHints, StreamChunk
 from runtime.server import sglang_ops
+from runtime.server.agent_hints import graph_hints
 from runtime.server.errors import error_frame, failure_of, invalid_input
 from runtime.server.sglang_schemas import GenerateBody, Prompt
 from runtime.server.state import Server, ServerDep
@@ -40,7 +41,8 @@ async def generate(body: GenerateBody, request: Request, server: ServerDep):
     _log_fields(body)
     prompts = body.prompts()
     ids = await _prompt_ids(server.engine, body, prompts)
-    requests = [_request(server, request, body, p, ids.get(p.prompt_index)) for p in prompts]
+    hints = graph_hints(server, request, body)  # one program's, whatever the batch
+    requests = [_request(server, request, hints, p, ids.get(p.prompt_index)) for p in prompts]
     output = _Output(server.engine, body, ids)
     handles = await server.submit(requests, server.tenant(request))
     if body.stream:
@@ -78,7 +80,7 @@ async def _prompt_ids(engine: EngineAPI, body: GenerateBody, prompts: list[Promp
 
 
 def _request(
-    server: Server, request: Request, body: GenerateBody, p: Prompt, ids: list[int] | None
+    server: Server, request: Request, hints: GraphHints, p: Prompt, ids: list[int] | None
 ) -> GenerateRequest:
     """The engine request for one prompt (one of its n samples); `ids`: the prompt's tokens
     where they were needed here (else the engine tokenizes it)."""
@@ -103,7 +105,7 @@ def _request(
             sampling=params,
             constraint=constraint,
             namespace=namespace,
-            hints=GraphHints(priority=body.priority or 0),
+            hints=hints,
             **({"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}),
         )
 

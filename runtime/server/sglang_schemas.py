@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from runtime.errors import InvalidRequestError
-from runtime.protocol import Constraint, SamplingParams
+from runtime.protocol import Constraint, GraphHints, SamplingParams
 from runtime.server.errors import invalid_input
 from runtime.server.fields import AuditedFields, ignored_field, unsupported_field
 
@@ -145,10 +145,13 @@ class GenerateBody(SGLangFields):
     cache_salt: str | list[str] | None = Field(None, description="cache namespace")
     extra_key: str | list[str] | None = Field(None, description="cache namespace, with cache_salt")
     namespace: str | None = Field(None, description="flowlang's name for cache_salt")
-    # SGLang knobs with no meaning here
-    session_id: str | None = ignored_field(
-        "an identity for routing and logs; the prompt is unchanged"
+    session_id: str | None = Field(
+        None, description="the requests that share it are one program (agent_hints.py)"
     )
+    hints: GraphHints | None = Field(
+        None, description="flowlang's graph hints, as /v1/flowlang/generate takes them"
+    )
+    # SGLang knobs with no meaning here
     log_metrics: bool = ignored_field("every request is counted in /metrics", True)
     routed_dp_rank: int | None = ignored_field(_ROUTING)
     data_parallel_rank: int | None = ignored_field(_ROUTING)
