@@ -326,3 +326,18 @@ def served(tiny_model_dir):
     )
     yield thread
     thread.stop()
+
+
+def recording_server(engine, **settings) -> ServerThread:
+    """A ServerThread whose `submitted` lists the engine requests of each call, in order."""
+    thread = ServerThread(engine, **settings)
+    state = thread.app.state.server
+    submit = state.submit
+    thread.submitted = []
+
+    async def recording(requests, tenant):
+        thread.submitted.append(list(requests))
+        return await submit(requests, tenant)
+
+    state.submit = recording
+    return thread

@@ -10,7 +10,7 @@ import logging
 
 import httpx
 import pytest
-from conftest import ServerThread
+from conftest import ServerThread, recording_server
 from openai import OpenAI
 from pydantic import ValidationError
 
@@ -28,18 +28,9 @@ BODIES = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/generat
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     """A two-tenant tiny-model server that records the engine requests each call submits."""
-    thread = ServerThread(
+    thread = recording_server(
         Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=4096)), api_keys=(A, B)
     )
-    state = thread.app.state.server
-    submit = state.submit
-    thread.submitted = []
-
-    async def recording(requests, tenant):
-        thread.submitted.append(list(requests))
-        return await submit(requests, tenant)
-
-    state.submit = recording
     yield thread
     thread.stop()
 

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from conftest import ServerThread
+from conftest import recording_server
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai import OpenAI
@@ -103,18 +103,9 @@ def test_every_openai_field_is_declared(params, body):
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     """A tiny-model server that records the engine requests each call submits."""
-    thread = ServerThread(
+    thread = recording_server(
         Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=POOL_TOKENS))
     )
-    state = thread.app.state.server
-    submit = state.submit
-    thread.submitted = []
-
-    async def recording(requests, tenant):
-        thread.submitted.append(list(requests))
-        return await submit(requests, tenant)
-
-    state.submit = recording
     yield thread
     thread.stop()
 
