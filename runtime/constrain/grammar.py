@@ -225,6 +225,7 @@ class ConstraintState:
         self.mask = grammars._xgr.allocate_token_bitmask(1, grammars.vocab_size)  # (1, words)
         self.mask_at: int | None = None  # num_moves when `mask` was filled; None: never
         self.fill_s: float | None = None  # how long the last fill took; None: none yet
+        self._planless_at: int | None = None  # num_moves where forced() found no plan
         self._lock = threading.Lock()
 
     @property
@@ -259,9 +260,11 @@ class ConstraintState:
         return bool(self.matcher.is_terminated())
 
     def forced(self) -> list[int]:
-        """The plan of forced tokens from here (computed once per forced stretch)."""
-        if self.plan or self.last_token is None:
+        """The plan of forced tokens from here (computed once per forced stretch; where none
+        is forced, once per position: masking and sampling both ask)."""
+        if self.plan or self.last_token is None or self._planless_at == self.num_moves:
             return self.plan
+        self._planless_at = self.num_moves  # (the plan found below makes this moot)
         forced = self.matcher.find_jump_forward_string()
         if not forced:
             return self.plan

@@ -49,13 +49,15 @@ class OwnerActivity:
         while next(iter(self._last_s.values())) < now_s - ACTIVE_OWNER_S:
             del self._last_s[next(iter(self._last_s))]
 
-    def num_active(self, current: Iterable[Req]) -> int:
-        """Owners with a `current` (running or waiting) request or one that arrived within
-        ACTIVE_OWNER_S."""
+    def shared(self, current: Iterable[Req]) -> bool:
+        """Whether more than one owner is active: has a `current` (running or waiting)
+        request or one that arrived within ACTIVE_OWNER_S (stops at the second owner seen:
+        this is asked every step)."""
         since_s = time.monotonic() - ACTIVE_OWNER_S
-        owners = {owner for owner, last_s in self._last_s.items() if last_s >= since_s}
-        owners.update(owner_of(r.namespace) for r in current)
-        return len(owners)
+        recent = (owner for owner, last_s in self._last_s.items() if last_s >= since_s)
+        owners = chain(recent, (owner_of(r.namespace) for r in current))
+        first = next(owners, None)  # (None is an owner too: no key)
+        return any(owner != first for owner in owners)
 
 
 def step_tokens(s: Scheduler) -> tuple[int, bool]:
@@ -64,7 +66,7 @@ def step_tokens(s: Scheduler) -> tuple[int, bool]:
     `shared_step_ms` by the measured step cost (step_time.py), so no owner's long prompt or
     forced text holds another's next token for long; `chunked_prefill_tokens` for one owner."""
     config = s.config
-    if s.activity.num_active(chain(s.running, s.waiting.values())) <= 1:
+    if not s.activity.shared(chain(s.running, s.waiting.values())):
         return config.chunked_prefill_tokens, False
     fitting = s.step_time.tokens_within(config.shared_step_ms / 1000)
     shared = UNMEASURED_SHARED_TOKENS if fitting is None else max(MIN_SHARED_TOKENS, fitting)
