@@ -97,15 +97,25 @@ def add_engine_options(parser: argparse.ArgumentParser, max_kv_tokens: int | Non
     add_engine_fields(parser, ("model", "max_kv_tokens", "dtype"), {"max_kv_tokens": max_kv_tokens})
 
 
+def add_command(
+    commands: Commands, name: str, summary: str, description: str
+) -> argparse.ArgumentParser:
+    """A subcommand's parser: `summary` in `flowlang --help`, `description` in its own, every
+    option's default shown (HelpFormatter). Plugins add theirs with it too."""
+    return commands.add_parser(
+        name, help=summary, description=description, formatter_class=HelpFormatter
+    )
+
+
 def add_serve(commands: Commands) -> None:
     """`flowlang serve`: the engine over HTTP; its options are in flowlang/serve_options.py."""
-    serve = commands.add_parser(
+    serve = add_command(
+        commands,
         "serve",
-        help="serve the engine over HTTP (SGLang and OpenAI APIs)",
-        description="Serve one engine (or --replicas engines behind a router) over HTTP: "
+        "serve the engine over HTTP (SGLang and OpenAI APIs)",
+        "Serve one engine (or --replicas engines behind a router) over HTTP: "
         "SGLang's native API, the OpenAI API, flowlang's remote protocol, and a live page at "
         "/dashboard. The port is bound before the model loads.",
-        formatter_class=HelpFormatter,
     )
     add_engine_fields(serve.add_argument_group("engine (EngineConfig, runtime/config.py)"))
     server = serve.add_argument_group("server")

@@ -39,19 +39,23 @@ MAX_STEPS = 3
 STEP_TOKENS = 96
 LATENCY_S = {"calculator": 0.01, "search_documents": 0.2, "clock": 0.01}  # declared latencies
 
-DOCUMENTS = (
-    ("returns", "Return policy", "Items can be returned within 30 days with the receipt."),
-    ("shipping", "Shipping times", "Standard shipping takes 3 to 5 business days."),
-    ("express", "Express shipping", "Express orders placed before noon arrive the next day."),
-    ("warranty", "Warranty", "Electronics carry a two year warranty against defects."),
-    ("hours", "Store hours", "The store opens at 9 and closes at 18, Monday to Saturday."),
-    ("payment", "Payment methods", "We accept cards, bank transfer and gift vouchers."),
-    ("lamp", "Lamp flickering", "A flickering lamp usually needs a new bulb or a tight socket."),
-    ("cancel", "Cancelling orders", "Orders can be cancelled free of charge until they ship."),
-    ("gift", "Gift vouchers", "Gift vouchers are valid for one year and cannot be refunded."),
-    ("loyalty", "Loyalty points", "Every euro spent earns one point; 100 points give 5 euros."),
-    ("repair", "Repairs", "Repairs under warranty are free and take about ten days."),
-    ("contact", "Contact", "Support answers emails within one business day."),
+# the documents search_documents finds: id | title | text, one a line
+DOCUMENTS = tuple(
+    tuple(field.strip() for field in line.split("|"))
+    for line in """
+returns | Return policy | Items can be returned within 30 days with the receipt.
+shipping | Shipping times | Standard shipping takes 3 to 5 business days.
+express | Express shipping | Express orders placed before noon arrive the next day.
+warranty | Warranty | Electronics carry a two year warranty against defects.
+hours | Store hours | The store opens at 9 and closes at 18, Monday to Saturday.
+payment | Payment methods | We accept cards, bank transfer and gift vouchers.
+lamp | Lamp flickering | A flickering lamp usually needs a new bulb or a tight socket.
+cancel | Cancelling orders | Orders can be cancelled free of charge until they ship.
+gift | Gift vouchers | Gift vouchers are valid for one year and cannot be refunded.
+loyalty | Loyalty points | Every euro spent earns one point; 100 points give 5 euros.
+repair | Repairs | Repairs under warranty are free and take about ten days.
+contact | Contact | Support answers emails within one business day.
+""".strip().splitlines()
 )
 
 TASKS = (

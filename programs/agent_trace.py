@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated
 
+import pydantic
 from pydantic import Field
 
 from flowlang import Tool, gen, program, system, tool, user
@@ -92,66 +93,65 @@ class AgentTrace:
 # ---------------------------------------------------------------------- the tools
 
 
-def read_file(path: Annotated[str, Field(description="a repository path", max_length=48)]) -> str:
-    """Read a file of the repository."""
-    raise NotImplementedError("replayed: the trace gives the result")
+@dataclass(frozen=True)
+class ToolDeclaration:
+    """One replayed tool: its one string argument, what it says, what latency it declares."""
+
+    argument: str
+    argument_description: str
+    description: str
+    latency_s: float  # before time_scale: the middle of its gap bucket (agent_traces.py)
+
+    def arguments_model(self, name: str) -> type[pydantic.BaseModel]:
+        """The tool's arguments as a pydantic model (named and described as the tool)."""
+        hint = Annotated[str, Field(description=self.argument_description, max_length=48)]
+        return pydantic.create_model(
+            name,
+            __config__=pydantic.ConfigDict(extra="forbid"),
+            __doc__=self.description,
+            **{self.argument: (hint, ...)},
+        )
 
 
-def search_code(
-    query: Annotated[str, Field(description="words to find", max_length=48)],
-) -> str:
-    """Search the repository's code; the matching lines first."""
-    raise NotImplementedError("replayed: the trace gives the result")
-
-
-def edit_file(path: Annotated[str, Field(description="a repository path", max_length=48)]) -> str:
-    """Apply the planned edit to a file; the diff comes back."""
-    raise NotImplementedError("replayed: the trace gives the result")
-
-
-def run_command(
-    command: Annotated[str, Field(description="a command", max_length=48)],
-) -> str:
-    """Run a shell command in the repository; its output comes back."""
-    raise NotImplementedError("replayed: the trace gives the result")
-
-
-def run_tests(
-    target: Annotated[str, Field(description="a test path", max_length=48)],
-) -> str:
-    """Run the tests under a path; the failures come back."""
-    raise NotImplementedError("replayed: the trace gives the result")
-
-
-# what each tool declares it takes (seconds, before time_scale): the middle of its gap bucket
-DECLARED_LATENCY_S = {
-    "read_file": 0.2,
-    "search_code": 0.2,
-    "edit_file": 0.2,
-    "run_command": 3.0,
-    "run_tests": 25.0,
+TOOL_DECLARATIONS = {
+    "read_file": ToolDeclaration(
+        "path", "a repository path", "Read a file of the repository.", 0.2
+    ),
+    "search_code": ToolDeclaration(
+        "query", "words to find", "Search the repository's code; the matching lines first.", 0.2
+    ),
+    "edit_file": ToolDeclaration(
+        "path", "a repository path", "Apply the planned edit to a file; the diff comes back.", 0.2
+    ),
+    "run_command": ToolDeclaration(
+        "command", "a command", "Run a shell command in the repository; its output comes back.", 3.0
+    ),
+    "run_tests": ToolDeclaration(
+        "target", "a test path", "Run the tests under a path; the failures come back.", 25.0
+    ),
 }
-TOOL_FUNCTIONS = (read_file, search_code, edit_file, run_command, run_tests)
-TOOL_NAMES = tuple(f.__name__ for f in TOOL_FUNCTIONS)
+TOOL_NAMES = tuple(TOOL_DECLARATIONS)
 
 
 @functools.cache
 def make_tools(time_scale: float = 1.0) -> dict[str, Tool]:
-    """The agents' typed tools by name, each declaring its latency x `time_scale`."""
+    """The agents' typed tools by name, each declaring its latency x `time_scale` (the
+    trace's replay gives each call's result: `replayed`)."""
     return {
-        f.__name__: tool(f, latency_s=DECLARED_LATENCY_S[f.__name__] * time_scale)
-        for f in TOOL_FUNCTIONS
+        name: tool(declared.arguments_model(name), latency_s=declared.latency_s * time_scale)
+        for name, declared in TOOL_DECLARATIONS.items()
     }
 
 
 def replayed(made: Tool, gap_s: float, text: str) -> Tool:
-    """`made` as the trace runs it: sleeps `gap_s`, then returns `text`."""
+    """`made` as the trace runs it: sleeps `gap_s`, then returns `text` (a function tool now:
+    a call runs `run`, where the model tool's call would give its arguments)."""
 
     def run(**_arguments: str) -> str:
         time.sleep(gap_s)
         return text
 
-    return dataclasses.replace(made, fn=run)
+    return dataclasses.replace(made, fn=run, is_model=False)
 
 
 # ---------------------------------------------------------------------- the program

@@ -11,19 +11,19 @@ import time
 
 from flowlang import InstanceError
 from flowlang.backends.local import LocalBackend
-from flowlang.cli import Commands, HelpFormatter, add_engine_options, engine_config
+from flowlang.cli import Commands, add_command, add_engine_options, engine_config
 from programs import support_agent
 
 
 def register(commands: Commands) -> None:
     """Add the `demo` subcommand."""
-    demo = commands.add_parser(
+    demo = add_command(
+        commands,
         "demo",
-        help="run W1 (support agent) and print a cache report",
-        description="Run the support-agent workload (W1: user conversations that share a "
+        "run W1 (support agent) and print a cache report",
+        "Run the support-agent workload (W1: user conversations that share a "
         "system prompt and a few-shot block) as one batch on an in-process engine, then "
         "print a few conversations, the top of the radix tree, and what the cache saved.",
-        formatter_class=HelpFormatter,
     )
     add_engine_options(demo, max_kv_tokens=60_000)
     demo.add_argument(

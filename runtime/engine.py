@@ -197,7 +197,13 @@ class Engine(EngineCommon):
         """The radix tree as text (first tokens of each edge decoded), cut to a summary."""
         cache, render = self.scheduler.kv.cache, _decoder(self.tokenizer)
         return self._call_in_loop(
-            lambda: cache.pretty_print(io.StringIO(), max_tokens, max_depth, max_children, render)
+            lambda: cache.pretty_print(
+                io.StringIO(),
+                max_tokens=max_tokens,
+                max_depth=max_depth,
+                max_children=max_children,
+                render=render,
+            )
         )
 
     def cache_view(self, max_nodes: int = 40) -> CacheView:

@@ -10,8 +10,8 @@ prefilled pin's KV would be freed at once and every reader would compute it agai
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Hashable, Sequence
-from typing import Protocol, TextIO
+from collections.abc import Hashable, Sequence
+from typing import Any, Protocol, TextIO
 
 import torch
 
@@ -90,15 +90,9 @@ class PrefixCache(Protocol):
     def check_integrity(self, num_caller_slots: int | None = None) -> None:
         """Assert invariants; with `num_caller_slots`, slot conservation too."""
 
-    def pretty_print(
-        self,
-        file: TextIO | None = None,
-        max_tokens: int = 10,
-        max_depth: int | None = None,
-        max_children: int | None = None,
-        render: Callable[[tuple[int, ...]], str] | None = None,
-    ) -> str:
-        """The cache as text."""
+    def pretty_print(self, file: TextIO | None = None, **view: Any) -> str:
+        """The cache as text; `view`: tree_text's cuts (max_tokens, max_depth, max_children)
+        and `render` for an edge's first tokens."""
 
 
 class NullCache:
@@ -171,7 +165,7 @@ class NullCache:
                 f"!= {self.allocator.num_slots}"
             )
 
-    def pretty_print(self, file: TextIO | None = None, *args, **kwargs) -> str:
+    def pretty_print(self, file: TextIO | None = None, **view: Any) -> str:
         text = "(the radix cache is disabled)"
         print(text, file=file or sys.stdout)
         return text

@@ -3,6 +3,7 @@ incremental candidate queue. What a policy is: policy_base.py; "graph": graph_po
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -16,48 +17,27 @@ if TYPE_CHECKING:
     from runtime.cache.nodes import TreeNode
 
 
-class LRUPolicy(EvictionPolicy):
-    name = "lru"
+class KeyedPolicy(EvictionPolicy):
+    """A policy that is one sort key over node fields (the simple ones, named in KEYED)."""
+
+    def __init__(self, name: str, key: Callable[[TreeNode], Any]) -> None:
+        self.name = name
+        self._key = key
 
     def priority(self, node: TreeNode) -> Any:
-        return node.last_access_time
+        return self._key(node)
 
 
-class MRUPolicy(EvictionPolicy):
-    name = "mru"
-
-    def priority(self, node: TreeNode) -> Any:
-        return -node.last_access_time
-
-
-class FIFOPolicy(EvictionPolicy):
-    name = "fifo"
-
-    def priority(self, node: TreeNode) -> Any:
-        return node.creation_time
-
-
-class FILOPolicy(EvictionPolicy):
-    name = "filo"
-
-    def priority(self, node: TreeNode) -> Any:
-        return -node.creation_time
-
-
-class LFUPolicy(EvictionPolicy):
-    name = "lfu"
-
-    def priority(self, node: TreeNode) -> Any:
-        return (node.hit_count, node.last_access_time)
-
-
-class PriorityPolicy(EvictionPolicy):
-    """Lower per-insert priority first, then least recently used."""
-
-    name = "priority"
-
-    def priority(self, node: TreeNode) -> Any:
-        return (node.priority, node.last_access_time)
+# name -> sort key; smaller is evicted first
+KEYED: dict[str, Callable[[TreeNode], Any]] = {
+    "lru": lambda node: node.last_access_time,
+    "lfu": lambda node: (node.hit_count, node.last_access_time),
+    "fifo": lambda node: node.creation_time,
+    "mru": lambda node: -node.last_access_time,
+    "filo": lambda node: -node.creation_time,
+    # lower per-insert priority first, then least recently used
+    "priority": lambda node: (node.priority, node.last_access_time),
+}
 
 
 class SLRUPolicy(EvictionPolicy):
@@ -88,19 +68,10 @@ class OraclePolicy(EvictionPolicy):
         return (-next_use, node.last_access_time)
 
 
-EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls
-    for cls in (
-        LRUPolicy,
-        LFUPolicy,
-        FIFOPolicy,
-        MRUPolicy,
-        FILOPolicy,
-        PriorityPolicy,
-        SLRUPolicy,
-        GraphPolicy,
-        OraclePolicy,
-    )
+# name -> a fresh instance
+EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    **{name: functools.partial(KeyedPolicy, name, key) for name, key in KEYED.items()},
+    **{cls.name: cls for cls in (SLRUPolicy, GraphPolicy, OraclePolicy)},
 }
 
 
