@@ -105,6 +105,21 @@ class EngineConfig(BaseModel):
         "deferred so that its admission does not evict KV other requests read soon (graph "
         "eviction), or one that does not fit yet, by other owners' requests that do",
     )
+    program_admission: bool = Field(
+        True,
+        description="with graph eviction: programs (GraphHints.program_id, a session id over "
+        "HTTP) are admitted whole: a program's KV is kept across its tool calls, and a new "
+        "program starts only when the pool holds it beside those already running "
+        "(runtime/scheduler/programs.py)",
+    )
+    tool_pin_ttl_s: float = Field(
+        0.0,
+        ge=0,
+        le=3600,
+        description="Continuum's rule, a baseline for program_admission: a branch that waits "
+        "on its tool calls keeps its path locked this many seconds, or until it is back "
+        "(runtime/scheduler/ttl_pins.py); 0: off",
+    )
     attention_backend: str = Field(
         "auto",
         description="auto (flashinfer on CUDA when it is installed, else torch; the native "

@@ -112,10 +112,15 @@ def batch():
     return batch
 
 
-def test_counters_are_exact_and_outputs_equal_under_every_policy(tiny_model_dir, batch):
+@pytest.fixture(scope="module")
+def unbounded(tiny_model_dir, batch):
+    capacity = 3 * batch.working_set_tokens()
+    return bench.run_row(batch, str(tiny_model_dir), None, capacity, "lru", record_trace=True)
+
+
+def test_counters_are_exact_and_outputs_equal_under_every_policy(tiny_model_dir, batch, unbounded):
     model = str(tiny_model_dir)
     capacity = 3 * batch.working_set_tokens()
-    unbounded = bench.run_row(batch, model, None, capacity, "lru", record_trace=True)
     assert unbounded.evicted == 0 and not unbounded.failures
     # the exact bound: each shared prefix once, each reply's KV reused by the next round
     assert unbounded.computed == unbounded.analytic_bound
@@ -130,3 +135,15 @@ def test_counters_are_exact_and_outputs_equal_under_every_policy(tiny_model_dir,
         assert row.evicted > 0
     assert len(unbounded.completions_s) == len(batch.agents)
     assert max(unbounded.completions_s) <= unbounded.makespan_s
+
+
+@pytest.mark.parametrize("name", [n for n in bench.ROWS if n not in ("lru", bench.HOST_ROW)])
+def test_every_baseline_row_replays_the_batch_with_the_same_outputs(
+    tiny_model_dir, batch, unbounded, name
+):
+    """The bench's other rows (graph request by request, priority hints, TTL pins, the program
+    gate) under the small pool: every program finishes with the unbounded run's outputs."""
+    rows = bench.run_cell_rows(batch, str(tiny_model_dir), None, unbounded, [name])
+    row = rows[name]
+    assert not row.failures and row.outputs == unbounded.outputs
+    assert row.computed >= unbounded.computed

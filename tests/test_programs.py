@@ -1,176 +1,253 @@
-"""The workload programs end to end on the tiny model through the in-process engine."""
+"""Programs as the unit of admission (runtime/scheduler/programs.py), on the scheduler alone
+with fake logits: a paused program's KV is kept while a new program waits, waiting is priced
+against recomputing, entry order is least attained service with starvation bounded, and the
+gate's bookkeeping holds under any sequence of programs, pauses, returns and aborts."""
 
 from __future__ import annotations
 
-import pytest
-import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import flowlang as fl
-from flowlang import gen, program, select
-from flowlang.backends.local import LocalBackend
-from programs import fewshot_choice, judge, multi_turn_chat, support_agent, tree_of_thought
-from runtime.config import EngineConfig
-from runtime.engine import Engine
-from runtime.prefix import union_prefix_tokens
-from runtime.protocol import GenerateRequest, SamplingParams
+from runtime.generation import GenerationState
+from runtime.protocol import GraphHints, SamplingParams
+from runtime.scheduler.programs import STARVATION_S, NoPrograms, ProgramGate
+from runtime.scheduler.request import Req, ReqKind
+from runtime.scheduler.scheduler import Scheduler
+from runtime.verify import apply_logits
+from tests.test_scheduler import VOCAB, fake_logits, scheduler
 
-
-def workloads(tokenizer):
-    return {
-        "W1": (
-            support_agent.support_agent,
-            support_agent.batch_args(support_agent.make_inputs(tokenizer, "test")),
-        ),
-        "W2": (
-            fewshot_choice.fewshot_choice,
-            fewshot_choice.batch_args(fewshot_choice.make_inputs(tokenizer, "test")),
-        ),
-        "W3": (
-            tree_of_thought.tree_of_thought,
-            [{"question": q} for q in tree_of_thought.make_inputs(tokenizer, "test")],
-        ),
-        "W4": (judge.judge, [{"case": c} for c in judge.make_inputs(tokenizer, "test")]),
-        "W6": (
-            multi_turn_chat.multi_turn_chat,
-            multi_turn_chat.batch_args(multi_turn_chat.make_inputs(tokenizer, "test")),
-        ),
-    }
+POOL = 200
 
 
-def run(tiny_model_dir, name, **config):
-    config.setdefault("max_kv_tokens", 60_000)
-    with Engine(EngineConfig(model=str(tiny_model_dir), **config)) as engine:
-        backend = LocalBackend(engine, record=True)
-        prog, batch = workloads(engine.tokenizer)[name]
-        states = prog.run_batch(batch, backend=backend, progress=False)
-        assert all(isinstance(s, fl.ProgramState) for s in states), states
-        outputs = [s.variables() for s in states]
-        return outputs, engine.stats(), backend
+def program_req(rid: str, ids: list[int], program: str, after_s: float | None, new: int = 4):
+    """A request of `program`; `after_s`: it pauses on a tool and is back that much later
+    (None: the program's last request)."""
+    params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
+    hints = GraphHints(
+        program_id=program, continuation=after_s is not None, next_turn_after_s=after_s
+    )
+    return Req(rid, ids, GenerationState(params, ids, None, (), VOCAB), ReqKind.GENERATE,
+               None, hints, 0)  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["W1", "W2", "W3", "W4", "W6"])
-def test_greedy_outputs_equal_cache_disabled(tiny_model_dir, name):
-    cached, stats, _ = run(tiny_model_dir, name)
-    uncached, _, _ = run(tiny_model_dir, name, disable_radix_cache=True)
-    assert cached == uncached
-    assert stats["cache_hit_rate"] > 0.3
+def step(sched: Scheduler) -> bool:
+    batch = sched.schedule()
+    if batch is not None:
+        sched.process(batch, apply_logits(batch, fake_logits(batch), True))
+    sched.check_integrity()
+    return batch is not None
 
 
-@pytest.mark.parametrize("name", ["W1", "W3", "W4"])
-def test_prefill_computed_is_the_exact_lower_bound(tiny_model_dir, name):
-    _, stats, backend = run(tiny_model_dir, name)
-    assert stats["prefill_tokens_total"] == backend.prompt_report()["lower_bound"]
-    assert stats["num_pins"] == 0, "every fork and batch pin was released"
+def run(sched: Scheduler, max_steps: int = 2_000) -> None:
+    for _ in range(max_steps):
+        if not sched.has_work():
+            return
+        assert step(sched), "work left but nothing schedulable"
+    raise AssertionError("did not finish")
 
 
-def test_fork_branches_equal_independent_runs(tiny_model_dir):
-    with Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=20_000)) as engine:
-        backend = LocalBackend(engine)
-        case = judge.make_inputs(engine.tokenizer, "test")[0]
-        forked = judge.judge.run(case=case, backend=backend)
-
-        @program
-        def one_branch(s, criterion):
-            s += fl.system("You grade support replies strictly and briefly.")
-            s += fl.user(f"Customer question: {case.question}\n\nAgent reply: {case.answer}")
-            s += fl.assistant(
-                f"Judging {criterion}: ",
-                gen("assessment", max_new_tokens=judge.ASSESS_TOKENS, temperature=0.0),
-            )
-
-        engine.flush_cache()
-        alone = [one_branch.run(criterion=c, backend=backend)["assessment"] for c in judge.CRITERIA]
-    assert forked["assessment"] == alone
+def priced(sched: Scheduler, per_token_s: float) -> None:
+    """Teach the step-time fit that a computed token costs `per_token_s`."""
+    for tokens in (1, 50, 100, 200) * 3:
+        sched.step_time.observe(tokens, 0.01 + per_token_s * tokens)
 
 
-def test_fork_prefix_is_computed_once_under_eviction_pressure(tiny_model_dir):
-    prefix = " ".join(f"word{i}" for i in range(180))  # about 700 tokens
-
-    @program
-    def fan_out(s):
-        s += prefix
-        branches = s.fork(4)
-        for i, branch in enumerate(branches):
-            branch += f" Branch {i} says:"
-            branch += gen("x", max_new_tokens=60, temperature=0.0, ignore_eos=True)
-        s.join(branches)
-
-    with Engine(
-        EngineConfig(model=str(tiny_model_dir), max_kv_tokens=2600, chunked_prefill_tokens=256)
-    ) as engine:
-        backend = LocalBackend(engine, record=True)
-        filler = [" ".join(f"fill{k}x{i}" for i in range(150)) for k in range(4)]
-        engine.generate(
-            [GenerateRequest(text=f, sampling=SamplingParams(max_new_tokens=1)) for f in filler]
-        )  # fill the cache first
-        before = engine.stats()
-        fan_out.run(backend=backend)
-        after = engine.stats()
-    assert after["evicted_tokens_total"] > before["evicted_tokens_total"]
-    prompts = [r.input_ids for r, _ in backend.generations]
-    computed = after["prefill_tokens_total"] - before["prefill_tokens_total"]
-    assert computed == union_prefix_tokens(prompts), "the shared prefix was computed once"
+def ids(seed: int, n: int) -> list[int]:
+    return [(seed * 31 + 7 * i) % (VOCAB - 3) + 3 for i in range(n)]
 
 
-# ---------------------------------------------------------------- select vs a direct reference
-def reference_choice(hf, prefix_ids, choice_ids, method, uncond_prefix):
-    """Score each choice on its own with a transformers forward (fp32)."""
-
-    def token_logprobs(prompt, cont):
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + cont])).logits[0].float()
-        logprobs = torch.log_softmax(logits, dim=-1)
-        return [float(logprobs[len(prompt) - 1 + j, t]) for j, t in enumerate(cont)]
-
-    cond = [token_logprobs(prefix_ids, c) for c in choice_ids]
-    if method == "token_length_normalized":
-        scores = [sum(lp) / len(lp) for lp in cond]
-    elif method == "unconditional_likelihood_normalized":
-        unc = [token_logprobs(uncond_prefix, c) for c in choice_ids]
-        scores = [
-            sum(a - b for a, b in zip(x, y, strict=True)) / len(x)
-            for x, y in zip(cond, unc, strict=True)
-        ]
-    else:  # greedy: the choice greedy decoding restricted to the choices would produce
-        alive, pos = list(range(len(choice_ids))), 0
-        while len(alive) > 1:
-            ended = [i for i in alive if pos >= len(choice_ids[i])]
-            if ended:
-                return ended[0]
-            best = max(alive, key=lambda i: cond[i][pos])
-            alive = [i for i in alive if choice_ids[i][pos] == choice_ids[best][pos]]
-            pos += 1
-        return alive[0]
-    return max(range(len(scores)), key=lambda i: (scores[i], -i))
+def paused_a_then_new_b(per_token_s: float, **settings):
+    """Program A (120 tokens) pauses on a tool due back in 5 s; then program B (150 new
+    tokens, which the pool holds only by evicting A's) arrives. Returns the scheduler, A's
+    finished request and B."""
+    sched = scheduler(POOL, eviction_policy="graph", **settings)
+    now = [0.0]
+    sched.lookahead.clock = lambda: now[0]
+    priced(sched, per_token_s)
+    a = program_req("a1", ids(1, 120), "A", after_s=5.0)
+    sched.add(a)
+    run(sched)
+    now[0] = 1.0
+    b = program_req("b1", ids(2, 150), "B", after_s=None)
+    sched.add(b)
+    return sched, a, b
 
 
-CHOICES = [" Paris", " London", " a city in France", " Rome", " Par"]
+def a_returns(sched: Scheduler, a: Req) -> Req:
+    back = program_req("a2", a.all_ids[:-1] + ids(3, 10), "A", after_s=None)
+    sched.add(back)
+    return back
 
 
-@program
-def capital(s, method):
-    s += fl.user("What is the capital of France? Answer with one name.")
-    with s.assistant():
-        s += "The answer is"
-        s += select("city", choices=CHOICES, method=method)
+def test_a_new_program_waits_while_a_paused_programs_kv_is_dear_to_recompute():
+    sched, a, b = paused_a_then_new_b(
+        per_token_s=0.1
+    )  # evicting 76 kept tokens: 7.6 s > the 4 s wait
+    for _ in range(5):
+        step(sched)
+    assert b.rid in sched.waiting and sched.counters["program_entries_deferred"] > 0
+    back = a_returns(sched, a)
+    run(sched)
+    assert back.usage.cached_tokens == len(a.all_ids) - 1  # A's whole path was kept
+    assert b.gen.finished and sched.counters["programs_entered"] >= 2
 
 
-@pytest.mark.parametrize("which", ["tiny", "default"])
-@pytest.mark.parametrize(
-    "method", ["token_length_normalized", "greedy", "unconditional_likelihood_normalized"]
-)
-def test_select_picks_what_a_direct_reference_picks(
-    which, method, tiny_model_dir, default_model_path
-):
-    from transformers import AutoModelForCausalLM
+def test_without_the_gate_the_new_program_evicts_the_paused_one():
+    sched, a, b = paused_a_then_new_b(per_token_s=0.05, program_admission=False)
+    assert isinstance(sched.lookahead.programs, NoPrograms)
+    step(sched)
+    assert b.rid not in sched.waiting  # admitted at once
+    back = a_returns(sched, a)
+    run(sched)
+    assert back.usage.cached_tokens < len(a.all_ids) - 1
 
-    path = tiny_model_dir if which == "tiny" else default_model_path
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with Engine(EngineConfig(model=str(path), max_kv_tokens=8192)) as engine:
-        backend = LocalBackend(engine, record=True)
-        state = capital.run(method=method, backend=backend)
-        (scored, *rest) = backend.scores
-        choice_ids = [backend.tokenize(c) for c in CHOICES]
-        uncond = rest[0].prefix_ids if rest else None
-        expected = reference_choice(hf, scored.prefix_ids, choice_ids, method, uncond)
-    assert state["city"] == CHOICES[expected]
+
+def test_where_recompute_is_cheap_waiting_is_not_worth_it():
+    sched, a, b = paused_a_then_new_b(per_token_s=1e-5)  # 76 tokens: ~1 ms < the 4 s wait
+    step(sched)
+    assert b.rid not in sched.waiting
+    assert (
+        sched.counters["programs_entered_priced"] == 1
+        and not sched.counters["program_entries_deferred"]
+    )
+
+
+def test_a_late_program_is_not_waited_for():
+    sched, a, b = paused_a_then_new_b(per_token_s=0.1)
+    sched.lookahead.clock = lambda: 5.0 + 2.0  # A is 2 s past its declared return
+    step(sched)
+    assert b.rid not in sched.waiting
+
+
+def test_least_attained_service_enters_first_and_starvation_is_bounded():
+    gate_order = []
+    for starve in (False, True):
+        sched = scheduler(POOL, eviction_policy="graph")
+        gate = sched.lookahead.programs
+        assert isinstance(gate, ProgramGate)
+        old = program_req("o1", ids(4, 60), "old", after_s=None)
+        sched.add(old)
+        run(sched)  # "old" has computed 60 tokens: attained service
+        again = program_req("o2", ids(5, 30), "old", after_s=None)
+        fresh = program_req("f1", ids(6, 30), "fresh", after_s=None)
+        sched.add(again)
+        sched.add(fresh)
+        if starve:
+            again.usage.submitted_s -= STARVATION_S
+        gate_order.append([r.rid for r in gate.entry_order(sched.waiting.values(), 0.0)])
+    assert gate_order == [["f1", "o2"], ["o2", "f1"]]
+
+
+def test_a_requests_without_a_program_never_wait_at_the_gate():
+    sched, a, _ = paused_a_then_new_b(per_token_s=0.1)
+    plain = program_req("p1", ids(7, 150), "x", after_s=None)
+    plain.hints = GraphHints()
+    sched.add(plain)
+    step(sched)
+    assert plain.rid not in sched.waiting
+
+
+class ProgramMachine(RuleBasedStateMachine):
+    """Programs of a few turns each, pausing for declared times, under a small graph-evicted
+    pool; random arrivals, steps, clock jumps and aborts. Invariants after every rule: the
+    scheduler's and the gate's (check_integrity), and no program waits at the gate while
+    nothing runs and nothing is paused (the gate never holds an idle engine forever)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sched = scheduler(POOL, eviction_policy="graph")
+        self.now = 0.0
+        self.sched.lookahead.clock = lambda: self.now
+        priced(self.sched, 0.05)
+        self.history: dict[str, list[int]] = {}
+        self.count = 0
+
+    @rule(program=st.sampled_from("ABCDE"), new=st.integers(10, 70),
+          after_s=st.sampled_from([None, 0.0, 0.5, 3.0]))  # fmt: skip
+    def arrive(self, program, new, after_s):
+        busy = [r for r in (*self.sched.waiting.values(), *self.sched.running)
+                if r.hints.program_id == program]  # fmt: skip
+        if busy:
+            return  # a program's turns come one after another
+        self.count += 1
+        prompt = self.history.get(program, []) + ids(self.count, new)
+        req = program_req(f"{program}{self.count}", prompt[-150:], program, after_s)
+        self.history[program] = req.prompt_ids
+        self.sched.add(req)
+
+    @rule(num=st.integers(1, 6))
+    def steps(self, num):
+        for _ in range(num):
+            step(self.sched)
+
+    @rule(seconds=st.sampled_from([0.2, 1.0, 4.0, 40.0]))
+    def clock(self, seconds):
+        self.now += seconds
+
+    @precondition(lambda self: self.sched.waiting or self.sched.running)
+    @rule(data=st.data())
+    def abort(self, data):
+        reqs = sorted([*self.sched.waiting, *(r.rid for r in self.sched.running)])
+        self.sched.abort(data.draw(st.sampled_from(reqs)))
+
+    @invariant()
+    def consistent(self):
+        self.sched.check_integrity()
+
+    @invariant()
+    def an_idle_engine_lets_a_program_in(self):
+        sched = self.sched
+        if sched.waiting and not sched.running and not sched.lookahead.programs.paused:
+            step(sched)
+            assert sched.running or len(sched.waiting) == 0 or sched.counters["errors"]
+
+
+TestProgramMachine = ProgramMachine.TestCase
+TestProgramMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+def test_a_ttl_pin_keeps_a_tool_waiting_path_until_it_is_back_or_expires():
+    for back_after_s, kept in ((2.0, True), (20.0, False)):
+        sched = scheduler(POOL, eviction_policy="lru", tool_pin_ttl_s=10.0)
+        now = [0.0]
+        sched.lookahead.clock = lambda: now[0]
+        a = program_req("a1", ids(1, 120), "A", after_s=5.0)
+        sched.add(a)
+        run(sched)
+        assert sched.lookahead.ttl_pins.num_pinned == 1
+        assert sched.kv.cache.protected_size >= 120
+        now[0] = back_after_s
+        other = program_req("b1", ids(2, 150), "B", after_s=None)
+        sched.add(other)
+        step(sched)
+        # while the pin lasts it holds the pool: with nothing running, a request that does not
+        # fit beside it fails as busy (retry later)
+        assert (other.error_kind == "busy") == kept, other.error
+        back = a_returns(sched, a)
+        run(sched)
+        assert (back.usage.cached_tokens == len(a.all_ids) - 1) == kept
+        assert sched.lookahead.ttl_pins.num_pinned == 0 and sched.kv.cache.protected_size == 0
+
+
+def test_the_wait_is_priced_by_the_gaps_seen_not_the_declared_return():
+    """A program declares 5 s for its tools (the slowest it is offered) but is back in 0.5 s:
+    once seen, a new program waits for it (0.5 s idle beats recomputing 76 tokens at 20 ms),
+    where on the declared 5 s it would have entered."""
+    for learned in (False, True):
+        sched = scheduler(POOL, eviction_policy="graph")
+        now = [0.0]
+        sched.lookahead.clock = lambda: now[0]
+        priced(sched, 0.02)
+        prompt = ids(1, 100)
+        for turn in range(3 if learned else 1):
+            a = program_req(f"a{turn}", prompt, "A", after_s=5.0)
+            sched.add(a)
+            run(sched)
+            prompt = a.all_ids[:-1] + ids(10 + turn, 6)
+            now[0] += 0.5  # the tools' real gap
+        now[0] -= 0.4  # B arrives 0.1 s into A's last gap
+        b = program_req("b1", ids(2, 150), "B", after_s=None)
+        sched.add(b)
+        step(sched)
+        assert (b.rid in sched.waiting) == learned

@@ -2,9 +2,12 @@
 setting, a fresh engine per row; one table per cell.
 
 Rows: an unbounded pool (its prefill computed is the exact bound: the same batch, nothing
-evicted; it also measures the working set the other pools are sized from), lru and graph
-eviction with the pool at the cell's share of that working set, and lru with a host tier as
-large as the working set under the same pool. Columns: prefill tokens computed and their ratio
+evicted; it also measures the working set the other pools are sized from), then, with the pool
+at the cell's share of that working set (ROWS): lru; graph eviction request by request (no
+program gate); SGLang-style priority hints (each program's requests carry its start order as
+priority, for priority scheduling and eviction); Continuum-style TTL pins at tool calls (lru,
+`tool_pin_ttl_s`); the program gate with graph eviction (runtime/scheduler/programs.py); and
+lru with a host tier as large as the working set. Columns: prefill tokens computed and their ratio
 to the exact bound, mean / p90 / p99 program completion seconds (from the batch's start), the
 makespan, throughput in programs per second, requests the engine refused as busy and the
 bench resubmitted (pins and running prefixes held the pool), and whether every program's
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -42,6 +46,11 @@ POOL_BYTES_CAP = 10 * 2**30  # pool + host tier per engine: two engines fit in 2
 UNBOUNDED_HEADROOM = 1.5  # the unbounded pool over the estimated working set
 HOST_HEADROOM = 1.25  # the host tier over the measured working set
 RETRY_AFTER_S = 0.05  # a refused request is resubmitted after this
+# --stats: after each row, what the scheduler did (to stderr)
+STATS_SHOWN = ("programs_entered_total", "programs_entered_priced_total",
+               "program_entries_deferred_total", "program_kept_lost_tokens_total",
+               "admissions_held_total", "retractions_total",
+               "evicted_tokens_total", "steps_total")  # fmt: skip
 
 
 class RetryingBackend(LocalBackend):
@@ -87,6 +96,23 @@ class _RetryingHandle:
         return self.final
 
 
+class PriorityHints(RetryingBackend):
+    """SGLang-style client hints: each program's requests carry a priority, the earlier a
+    program started the higher (a client that wants programs finished in order), for the
+    engine's priority scheduling and priority eviction."""
+
+    def __init__(self, engine, record: bool = False) -> None:
+        super().__init__(engine, record)
+        self._rank: dict[str, int] = {}
+
+    def submit(self, request):
+        program = request.hints.program_id
+        with self._retries_lock:
+            rank = self._rank.setdefault(program, len(self._rank))
+        hints = request.hints.model_copy(update={"priority": -rank})
+        return super().submit(request.model_copy(update={"hints": hints}))
+
+
 @dataclass(frozen=True)
 class RowResult:
     computed: int  # prefill tokens computed
@@ -116,11 +142,20 @@ def make_engine(model: str, tokenizer, capacity: int, policy: str, batch, **sett
     return engine
 
 
-def run_row(batch: AgentBatch, model: str, tokenizer, capacity: int, policy: str, **settings):
+def run_row(
+    batch: AgentBatch,
+    model: str,
+    tokenizer,
+    capacity: int,
+    policy: str,
+    backend_type: type[RetryingBackend] | None = None,
+    show_stats: bool = False,
+    **settings,
+):
     """The batch through agent_trace.run_batch on a fresh `capacity`-slot engine."""
     with make_engine(model, tokenizer, capacity, policy, batch, **settings) as engine:
         recording = bool(settings.get("record_trace"))  # the unbounded row: bounds measured
-        backend = RetryingBackend(engine, record=recording)
+        backend = (backend_type or RetryingBackend)(engine, record=recording)
         start = time.perf_counter()
         states = agent_trace.run_batch(
             batch.batch_args(), backend=backend, progress=False, max_workers=len(batch.agents)
@@ -129,6 +164,10 @@ def run_row(batch: AgentBatch, model: str, tokenizer, capacity: int, policy: str
         done = [s for s in states if hasattr(s, "text")]  # a failure is an InstanceError
         engine.check_integrity()
         stats = engine.stats()
+        if show_stats:
+            print(f"  [{policy} {settings}] " + ", ".join(
+                f"{k.removesuffix('_total')} {int(stats[k]):,}" for k in STATS_SHOWN
+            ), file=sys.stderr)  # fmt: skip
         trace = cache_trace(engine) if recording else []
         return RowResult(
             int(stats["prefill_tokens_total"]),
@@ -152,22 +191,59 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
-def run_cell(batch: AgentBatch, model: str, tokenizer, attention: str) -> dict[str, RowResult]:
-    """Every row of one cell: the unbounded run first (it sizes the others' pools)."""
-    rows: dict[str, RowResult] = {}
+# the rows besides the unbounded pool: name -> (eviction, settings); TTL_ROW's pin is the
+# trace's time scale (86% of tool calls return within it), "{host}" the host tier's size
+PROGRAMS_ROW, TTL_ROW, HOST_ROW = "programs (graph + gate)", "lru + ttl pin", "lru + host tier"
+ROWS = {
+    "lru": ("lru", {}),
+    "graph, requests": ("graph", {"program_admission": False}),
+    "priority hints": ("priority", {"schedule_policy": "priority"}),
+    TTL_ROW: ("lru", {}),
+    PROGRAMS_ROW: ("graph", {}),
+    HOST_ROW: ("lru", {}),
+}
+
+
+def run_cell(
+    batch: AgentBatch,
+    model: str,
+    tokenizer,
+    attention: str,
+    rows_wanted: list[str],
+    show_stats: bool = False,
+) -> dict[str, RowResult]:
+    """The unbounded run first (it sizes the others' pools), then each of `rows_wanted`."""
     capacity = math.ceil(batch.working_set_tokens() * UNBOUNDED_HEADROOM)
-    common = {"attention_backend": attention}
-    rows["unbounded pool"] = run_row(batch, model, tokenizer, capacity, "lru",
-                                     record_trace=True, **common)  # fmt: skip
-    unbounded = rows["unbounded pool"]
+    unbounded = run_row(batch, model, tokenizer, capacity, "lru", record_trace=True,
+                        attention_backend=attention)  # fmt: skip
+    return {
+        "unbounded pool": unbounded,
+        **run_cell_rows(batch, model, tokenizer, unbounded, rows_wanted, attention, show_stats),
+    }
+
+
+def run_cell_rows(
+    batch: AgentBatch,
+    model: str,
+    tokenizer,
+    unbounded: RowResult,
+    rows_wanted: list[str],
+    attention: str = "torch",
+    show_stats: bool = False,
+) -> dict[str, RowResult]:
+    """Each of `rows_wanted` with the pool at the cell's share of the unbounded run's working
+    set."""
     pool = batch.pool_tokens(unbounded.working_set)
     host_gib = unbounded.working_set * unbounded.kv_bytes_per_token * HOST_HEADROOM / 2**30
+    capacity = math.ceil(batch.working_set_tokens() * UNBOUNDED_HEADROOM)
     check_memory(max(capacity, pool) * unbounded.kv_bytes_per_token + host_gib * 2**30)
-    rows["lru"] = run_row(batch, model, tokenizer, pool, "lru", **common)
-    rows["graph"] = run_row(batch, model, tokenizer, pool, "graph", **common)
-    rows[f"lru + {host_gib:.2g} GiB host tier"] = run_row(
-        batch, model, tokenizer, pool, "lru", host_kv_gb=host_gib, **common
-    )
+    extra = {TTL_ROW: {"tool_pin_ttl_s": batch.time_scale}, HOST_ROW: {"host_kv_gb": host_gib}}
+    rows = {}
+    for name in rows_wanted:
+        policy, settings = ROWS[name]
+        settings = {"attention_backend": attention, **settings, **extra.get(name, {})}
+        backend = PriorityHints if name == "priority hints" else RetryingBackend
+        rows[name] = run_row(batch, model, tokenizer, pool, policy, backend, show_stats, **settings)
     return rows
 
 
@@ -232,6 +308,9 @@ def main() -> None:
     parser.add_argument(
         "--attention", default="torch", help="torch (the reference): outputs compare"
     )
+    parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS),
+                        help="the rows after the unbounded pool")  # fmt: skip
+    parser.add_argument("--stats", action="store_true", help="the scheduler's counters per row")
     args = parser.parse_args()
     model = TINY_MODEL if args.tiny else args.model
     shape = shape_with(PRESETS[args.preset or ("tiny" if args.tiny else "default")], args.shape)
@@ -241,7 +320,7 @@ def main() -> None:
     print(f"model {model}, attention {args.attention}; one run per row")
     for cell in range(args.cells):
         batch = draw_batch(shape, args.seed + cell, args.agents, args.pool_fraction, args.page_size)
-        print_cell(batch, run_cell(batch, model, tokenizer, args.attention))
+        print_cell(batch, run_cell(batch, model, tokenizer, args.attention, args.rows, args.stats))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ The checks, in order:
 - ready to sample: its stop matching caught up, its first grammar mask ready;
 - prefilled once: no running request computes the tokens it shares beyond its cache match;
 - lower tiers ready: its chunk files are read (prefetch thread);
+- program in: a request of a program not running nor paused with its KV kept enters in
+  program order, if it fits beside the kept KV (programs.py);
 - fits: free + evictable slots cover what it computes and reserves to grow, or another
   owner's request may pass it (at most admission_patience times);
 - not deferred: graph eviction keeps what the work ahead reads soon (lookahead.py).
@@ -60,6 +62,10 @@ class AdmissionPass:
         self.deferred: list[Req] = []  # passed over; each request admitted after them passes them
         self.blocked: set[Hashable] = set()  # owners whose first waiting request does not fit
         self.work_ahead = scheduler.lookahead.work_ahead(scheduler.running)
+        self.programs = scheduler.lookahead.programs
+        self.entrants: list[Req] | None = None  # requests of programs not in, in entry order
+        self.kept = 0  # tokens the paused programs in keep (unlocked), taken with entrants
+        self.entry_closed = False  # a program that does not fit holds every one after it
 
     def run(self) -> list[BatchEntry]:
         """The entries of the requests that start this step."""
@@ -81,7 +87,8 @@ class AdmissionPass:
             if verdict is not ADMIT:
                 return verdict
         self.s.prompt_logits.offer(req)  # a row kept for its whole prompt: it may match it all
-        for check in (self.prefilled_once, self.lower_tiers_ready, self.fits, self.not_deferred):
+        checks = (self.prefilled_once, self.lower_tiers_ready, self.program_in, self.fits)
+        for check in (*checks, self.not_deferred):
             verdict = check(req)
             if verdict is not ADMIT:
                 return verdict
@@ -117,6 +124,34 @@ class AdmissionPass:
             return SKIP
         return ADMIT
 
+    def program_in(self, req: Req) -> Verdict:
+        """Its program is in, or it is the next program to enter and fits beside the KV the
+        paused programs keep; or nothing runs and waiting for them costs more than
+        recomputing what it evicts of theirs (programs.py)."""
+        s, programs = self.s, self.programs
+        if programs.is_in(req):
+            return ADMIT
+        if self.entrants is None:
+            self.entrants = programs.entry_order(s.waiting.values(), s.lookahead.now_s)
+            self.kept = programs.kept_tokens()
+        while self.entrants and (
+            self.entrants[0].rid not in s.waiting or programs.is_in(self.entrants[0])
+        ):
+            self.entrants.pop(0)  # started this pass, or its program entered meanwhile
+        if self.entry_closed or not self.entrants or self.entrants[0] is not req:
+            return SKIP  # not its program's turn
+        # kept KV it would evict, and the room the programs in grow into
+        short = s.need(req) + self.kept + programs.headroom_tokens - self.available
+        idle = not s.running and not self.entries
+        if short <= 0 or (idle and programs.waiting_costs_more(short, s.lookahead.now_s)):
+            self.entrants.pop(0)
+            programs.entered()
+            s.counters["programs_entered" if short <= 0 else "programs_entered_priced"] += 1
+            return ADMIT
+        self.entry_closed = True
+        s.counters["program_entries_deferred"] += 1
+        return SKIP
+
     def fits(self, req: Req) -> Verdict:
         """It fits now; else it failed as too large for the pool, or other owners' requests
         that fit may pass it (at most `admission_patience` times: a tenant's long requests
@@ -151,6 +186,7 @@ class AdmissionPass:
         need = s.need(req)
         del s.waiting[req.rid]
         s.start(req, s.policy.match(req))
+        self.programs.started(req)
         self.available -= need
         if req.reuse.logits is not None and req.kv.num_computed < req.num_tokens:
             req.reuse.logits = None  # the tree lost the prompt's end: compute it

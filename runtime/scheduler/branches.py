@@ -70,6 +70,9 @@ class BranchTable:
                 del self._by_owner[key[0]]
         return entry
 
+    def get(self, key: tuple) -> tuple | None:
+        return self._entries.get(key)
+
     def items(self) -> list[tuple[tuple, tuple]]:
         return list(self._entries.items())
 

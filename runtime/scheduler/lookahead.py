@@ -22,10 +22,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 from runtime.cache.graph_policy import CONTINUATION_GRACE_S
 from runtime.cache.nodes import TreePosition, owner_of
+from runtime.config import EngineConfig
 from runtime.protocol import MAX_HINT_RETURN_S
 from runtime.scheduler.branches import BranchTable, branch_key, future_tokens
 from runtime.scheduler.kv import KVManager
+from runtime.scheduler.programs import NoPrograms, ProgramGate
 from runtime.scheduler.request import Req
+from runtime.scheduler.step_time import StepTime
+from runtime.scheduler.ttl_pins import NoTtlPins, TtlPins
 
 PREFETCH_QUEUE_DEPTH = 16  # waiting requests, in admission order, whose disk chunks are prefetched
 PREFETCH_LEAD_S = 2.0  # a branch that declared its return is prefetched this long before it
@@ -37,10 +41,15 @@ DISK_WAIT_S = 2.0
 class Lookahead:
     """Paused branches, declared returns, prefetching and disk waits (see the module)."""
 
-    def __init__(self, kv: KVManager) -> None:
+    def __init__(self, kv: KVManager, step_time: StepTime, config: EngineConfig) -> None:
         self.kv = kv
         # admission holds back requests that would evict KV a known reader needs soon
         self.keeps_wanted = kv.marks.keeps_wanted
+        # programs as the unit of admission (programs.py): with eviction that keeps their KV
+        gated = config.program_admission and self.keeps_wanted
+        self.programs = ProgramGate(kv, step_time) if gated else NoPrograms()
+        ttl_s = config.tool_pin_ttl_s  # Continuum's fixed pin at tool calls (ttl_pins.py)
+        self.ttl_pins = TtlPins(kv.cache, ttl_s) if ttl_s > 0 else NoTtlPins()
         # seconds; times when paused branches are expected back (benchmarks set a simulated one)
         self.clock: Callable[[], float] = time.monotonic
         self.now_s = 0.0  # read once a step: branches pausing in one step tie, deterministically
@@ -58,6 +67,8 @@ class Lookahead:
         published as KV events)."""
         self.now_s = self.clock()
         self.kv.marks.advance(self.now_s)
+        self.programs.advance(self.now_s)
+        self.ttl_pins.advance(self.now_s)
         self.kv.tiers.flush_events()
 
     def prefetch(self, queue_head: Iterable[tuple[Req, TreePosition]]) -> None:
@@ -87,6 +98,8 @@ class Lookahead:
     # ------------------------------------------------------------------ branches
     def arrived(self, req: Req) -> None:
         """A request reached the queue: its branch's next turn is no longer to come."""
+        self.programs.arrived(req, self.now_s)
+        self.ttl_pins.arrived(req)
         if self.paused_branches or self.returning:
             key = branch_key(req)  # the owner's own branch: another tenant's is never touched
             self.paused_branches.pop(key)
@@ -102,8 +115,10 @@ class Lookahead:
         # a return declared further out than the horizon is "not soon", however far
         after_s = min(hints.next_turn_after_s or 0.0, MAX_HINT_RETURN_S)
         self.kv.marks.mark_continuation(req.kv.lock_pos, self.now_s + after_s, not after_s)
+        self.ttl_pins.paused(req, req.kv.lock_pos, self.now_s)
         if hints.program_id is None:
             return
+        self.programs.paused_at(req, self.kv.cache.resolve(req.kv.lock_pos), self.now_s, after_s)
         key = branch_key(req)
         if not after_s and self.keeps_wanted:
             tokens = future_tokens(req, self.kv.allocator.num_slots)
@@ -115,6 +130,7 @@ class Lookahead:
     def released(self, req: Req) -> None:
         """A request gave up its KV (finished, retracted, aborted): it waits for no file."""
         self._disk_waits.pop(req.rid, None)
+        self.programs.released(req)
 
     def tokens_ahead(self, running: Sequence[Req]) -> Counter:
         """Per owner, about how many tokens the work ahead will still add

@@ -70,7 +70,8 @@ class Scheduler:
         self.running: list[Req] = []
         self.pins: dict[str, Req] = {}
         self.kv, self.policy = build_kv(config, num_slots, tiers, self.waiting)
-        self.lookahead, self.activity = Lookahead(self.kv), OwnerActivity()
+        self.step_time = StepTime()  # what a computed token costs: shared steps' length
+        self.lookahead, self.activity = Lookahead(self.kv, self.step_time, config), OwnerActivity()
         shares = self.kv.cache.can_share  # (a row is used with a whole-prompt hit)
         self.prompt_logits = PromptLogits(config.reuse_prompt_logits if shares else 0)
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
@@ -80,7 +81,6 @@ class Scheduler:
         self._checking: dict[str, Req] = {}  # stop_regex matching behind: catching up
         self.grammar = GrammarGate(config.grammar_step_budget_ms, config.grammar_mask_threads)
         self.drafter = make_drafter(config, self.kv.token_index)
-        self.step_time = StepTime()  # what a computed token costs: shared steps' length
         self._step_budget = config.chunked_prefill_tokens  # this step's tokens (step_tokens)
 
     # ------------------------------------------------------------------ intake
@@ -357,7 +357,8 @@ class Scheduler:
         """Assert slot conservation and every request's KV bookkeeping."""
         for req in self.waiting.values():
             assert req.kv.capacity == 0 and req.kv.lock_pos is None, f"waiting {req} holds KV"
-        self.kv.check_integrity([*self.running, *self.pins.values()])
+        self.kv.check_integrity(holders := [*self.running, *self.pins.values()])
+        self.lookahead.programs.check_integrity(holders)
         self.prompt_logits.check_integrity()
 
 

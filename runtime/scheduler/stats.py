@@ -23,6 +23,9 @@ def scheduler_stats(s: Scheduler) -> dict[str, float]:
         "prefill_waits_total": c["prefill_waits"],
         "disk_waits_total": c["disk_waits"],
         "admissions_held_total": c["admissions_held"],
+        "programs_entered_total": c["programs_entered"],
+        "programs_entered_priced_total": c["programs_entered_priced"],
+        "program_entries_deferred_total": c["program_entries_deferred"],
         "requests_finished_total": c["finished"],
         "requests_aborted_total": c["aborted"],
         "requests_failed_total": c["errors"],
@@ -41,6 +44,7 @@ def scheduler_stats(s: Scheduler) -> dict[str, float]:
         "schedule_rematches_total": s.policy.num_rematches,
         "new_token_ratio": s.new_token_ratio,
         "jump_forward_tokens_total": c["jump_forward_tokens"],
+        **s.lookahead.programs.stats(),
         **s.grammar.stats(),
         **s.prompt_logits.stats(),
         **s.drafter.stats(),  # zeros when speculation is off

@@ -1,0 +1,253 @@
+"""Programs as the unit of admission: a program's KV is kept across its tool calls, and a new
+program starts only when the pool holds it beside the programs already in (issue 52, item 2).
+
+Requests name their program (GraphHints.program_id; over HTTP a session id). A program is *in*
+while one of its requests runs, or one of its branches paused on a continuation (a tool call, a
+next turn) and the path it paused at is still in the pool: that path is the program's *kept*
+KV. Graph eviction ranks kept paths after everything no one will read (a finished program's
+KV goes first, the farthest return of the paused first after that). A request of a program
+that is not in (its first, or one whose kept path was evicted meanwhile) enters only if the
+slots it needs fit beside every kept path: the programs in keep their working sets instead of
+every program thrashing every other's. Without the gate, agents at a 35% pool compute 3x the
+exact bound (RESULTS.md, agent_trace_bench.py).
+
+Which waiting program enters first: higher GraphHints.priority, then least attained service
+(tokens computed for the program so far; Autellix's PLAS), then the oldest; one that has waited
+STARVATION_S enters before any that has not. Programs enter in that order: the first that does
+not fit holds the rest, so a large program is not passed forever by small ones.
+
+Waiting is priced: when nothing runs and every program in is paused on its tools, a waiting
+program enters anyway if recomputing the kept KV it would evict (the engine's measured cost per
+token, StepTime) costs less than waiting for the soonest expected return. Where recompute is
+nearly free (a tiny model) the gate steps aside; where it is dear, programs keep their KV.
+
+`NoPrograms` is the gate turned off (`program_admission=False`, or eviction that knows no
+future): every request is its own program and nothing is held.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+from runtime.cache.graph_policy import CONTINUATION_GRACE_S
+from runtime.cache.nodes import owner_of
+from runtime.protocol import MAX_HINT_RETURN_S
+from runtime.scheduler.branches import MAX_BRANCHES, BranchTable, branch_key
+from runtime.scheduler.request import Req
+from runtime.scheduler.step_time import StepTime
+
+if TYPE_CHECKING:
+    from runtime.cache.nodes import TreeNode
+    from runtime.scheduler.kv import KVManager
+
+STARVATION_S = 60.0  # a request waiting this long to enter goes before every one that has not
+# a paused program this late past its expected return is not waited for (it is still kept
+# until CONTINUATION_GRACE_S: a program whose tool ran long finds its KV)
+LATE_S = 1.0
+HEADROOM_DECAY = 0.1
+GAP_DECAY = 0.2  # each return seen moves the learned gap this far towards it
+
+
+def program_key(req: Req) -> tuple[Hashable, str] | None:
+    """(owner, program id), or None for a request that names no program."""
+    program_id = req.hints.program_id
+    return None if program_id is None else (owner_of(req.namespace), program_id)
+
+
+class Paused(NamedTuple):
+    """A branch paused on a continuation."""
+
+    node: TreeNode  # where its path ends (the tree keeps a node's identity across splits)
+    back_s: float  # when it is expected back: paused_s + the gap learned for declared_s
+    paused_s: float
+    declared_s: float  # the return it declared (GraphHints.next_turn_after_s; 0: right away)
+
+
+@dataclass
+class ProgramRecord:
+    first_seen_s: float  # when its first request came (the scheduler's clock)
+    service_tokens: int = 0  # tokens computed for it so far (attained service)
+    num_running: int = 0  # its requests running now
+
+
+class ProgramGate:
+    """The programs in, their kept paths, and who enters next (see the module docstring)."""
+
+    def __init__(self, kv: KVManager, step_time: StepTime) -> None:
+        self.kv = kv
+        self.step_time = step_time
+        # program key -> record, the least recently seen first; at most MAX_BRANCHES (a
+        # client naming a new program per request keeps no more)
+        self.programs: OrderedDict[tuple, ProgramRecord] = OrderedDict()
+        self._running: dict[str, tuple] = {}  # rid of a running request -> its program key
+        # branch key (owner, program, branch) -> Paused
+        self.paused = BranchTable()
+        # declared return s -> the gap seen for it (decayed mean): a tool's calls return when
+        # they do, not when the slowest offered tool said it might
+        self.gap_s: dict[float, float] = {}
+        # room kept free for the programs in to grow into, learned: a kept path lost to
+        # eviction (the programs in outgrew the pool) adds its length, each entry that fits
+        # takes off HEADROOM_DECAY of it
+        self.pool_slots = kv.allocator.num_slots
+        self.headroom_tokens = 0.0
+        self.kept_lost_tokens = 0  # kept paths lost to eviction, their lengths (a counter)
+        # a lower tier keeps what the pool evicts: a paused program's path is then loaded
+        # back on its return (prefetched ahead of it, lookahead.py), never recomputed
+        self.tiers_keep = kv.tiers.keeps_evicted
+
+    # ------------------------------------------------------------------ what happens
+    def arrived(self, req: Req, now_s: float) -> None:
+        key = program_key(req)
+        if key is None:
+            return
+        paused = self.paused.get(branch_key(req))
+        if paused is not None and not req.queue.num_retractions:  # (a retraction is no return)
+            self._learn_gap(paused, now_s)
+        if key in self.programs:
+            self.programs.move_to_end(key)
+            return
+        while len(self.programs) >= MAX_BRANCHES:
+            self.programs.popitem(last=False)
+        self.programs[key] = ProgramRecord(now_s)
+
+    def _learn_gap(self, paused: Paused, now_s: float) -> None:
+        """A branch is back from its tools: what its declared return really took."""
+        seen = self.gap_s.get(paused.declared_s)
+        gap = now_s - paused.paused_s
+        self.gap_s[paused.declared_s] = gap if seen is None else seen + GAP_DECAY * (gap - seen)
+        if len(self.gap_s) > MAX_BRANCHES:
+            self.gap_s.pop(next(iter(self.gap_s)))
+
+    def started(self, req: Req) -> None:
+        key = program_key(req)
+        if key is not None:
+            record = self.programs.setdefault(key, ProgramRecord(0.0))
+            record.num_running += 1
+            # the prompt it computes (its cached prefix is taken by now): attained service
+            record.service_tokens += req.num_tokens - req.kv.num_computed
+            self._running[req.rid] = key
+            self.paused.pop(branch_key(req))  # its branch is back
+
+    def paused_at(self, req: Req, node: TreeNode, now_s: float, declared_s: float) -> None:
+        """A branch of a program paused with its path ending at `node` (locked now), declaring
+        it is back `declared_s` from now."""
+        if program_key(req) is not None:
+            back_s = now_s + self.gap_s.get(declared_s, declared_s)
+            self.paused.put(branch_key(req), Paused(node, back_s, now_s, declared_s))
+
+    def released(self, req: Req) -> None:
+        key = self._running.pop(req.rid, None)
+        record = self.programs.get(key)
+        if record is not None:
+            record.num_running -= 1
+
+    def advance(self, now_s: float) -> None:
+        """Once a step: a paused branch whose path was evicted, or overdue past its return
+        and the grace, is no longer kept."""
+        for branch, (node, back_s, _, _) in self.paused.items():
+            if node.evicted and not self.tiers_keep:  # the programs in outgrew the pool
+                self.paused.pop(branch)
+                self.kept_lost_tokens += node.depth
+                self.headroom_tokens = min(self.headroom_tokens + node.depth, self.pool_slots)
+            elif back_s + CONTINUATION_GRACE_S < now_s:
+                self.paused.pop(branch)
+
+    # ------------------------------------------------------------------ admission's questions
+    def is_in(self, req: Req) -> bool:
+        """Whether `req` needs no entry: it names no program, or its program is in (a request
+        of it runs, or a branch of it paused and its path is still in the pool)."""
+        key = program_key(req)
+        if key is None:
+            return True
+        record = self.programs.get(key)
+        if record is not None and record.num_running > 0:
+            return True
+        # (with a lower tier, an evicted path is loaded back, not recomputed: still in)
+        return any(
+            b[:2] == key and (self.tiers_keep or not p.node.evicted) for b, p in self.paused.items()
+        )
+
+    def kept_tokens(self) -> int:
+        """Unlocked tokens on the paths the paused programs in will read again (each once)."""
+        seen: set[int] = set()
+        kept = 0
+        for node, *_ in self.paused.values():
+            while node.parent is not None and id(node) not in seen and not node.evicted:
+                seen.add(id(node))
+                if node.lock_ref == 0:
+                    kept += len(node.key)
+                node = node.parent
+        return kept
+
+    def entry_order(self, waiting: Iterable[Req], now_s: float) -> list[Req]:
+        """The waiting requests that need entry, in the order their programs enter."""
+        wall_s = time.monotonic()  # (waits are real time, whatever the scheduler's clock)
+
+        def rank(req: Req) -> tuple:
+            record = self.programs.get(program_key(req)) or ProgramRecord(now_s)
+            starved = wall_s - req.usage.submitted_s >= STARVATION_S
+            return (not starved, -req.hints.priority, record.service_tokens, record.first_seen_s)
+
+        return sorted((r for r in waiting if not self.is_in(r)), key=rank)
+
+    def entered(self) -> None:
+        self.headroom_tokens *= 1.0 - HEADROOM_DECAY
+
+    def waiting_costs_more(self, evicts_tokens: int, now_s: float) -> bool:
+        """Nothing runs: whether waiting for the soonest paused program to come back costs
+        more than recomputing `evicts_tokens` of kept KV (the measured cost per token)."""
+        fit = self.step_time.fit()
+        expected = [p.back_s for p in self.paused.values() if p.back_s >= now_s - LATE_S]
+        if fit is None or not expected:
+            return True  # unmeasured, or every paused program is late: do not idle on a guess
+        wait_s = min(max(0.0, min(expected) - now_s), MAX_HINT_RETURN_S)
+        return fit[1] * evicts_tokens < wait_s
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "program_kept_lost_tokens_total": self.kept_lost_tokens,
+            "program_headroom_tokens": self.headroom_tokens,
+        }
+
+    def check_integrity(self, running: Iterable[Req]) -> None:
+        """Every running request (or held pin) of a program is counted, and its program is
+        in; what the paused programs keep is evictable KV."""
+        named = [r for r in running if program_key(r) is not None]
+        assert all(r.rid in self._running for r in named), "a running request not counted"
+        counts: Counter = Counter(map(program_key, named))
+        for key, record in self.programs.items():
+            assert record.num_running == counts.get(key, 0), f"program {key} miscounted"
+        assert len(self._running) == sum(counts.values()), "a released request still counted"
+        assert self.kept_tokens() <= self.kv.cache.evictable_size
+
+
+class NoPrograms:
+    """The gate turned off: every request is in, nothing is kept."""
+
+    def arrived(self, req: Req, now_s: float) -> None:
+        pass
+
+    def started(self, req: Req) -> None:
+        pass
+
+    def paused_at(self, req: Req, node: TreeNode, now_s: float, declared_s: float) -> None:
+        pass
+
+    def released(self, req: Req) -> None:
+        pass
+
+    def advance(self, now_s: float) -> None:
+        pass
+
+    def is_in(self, req: Req) -> bool:
+        return True
+
+    def check_integrity(self, running: Iterable[Req]) -> None:
+        pass
+
+    def stats(self) -> dict[str, float]:
+        return {"program_kept_lost_tokens_total": 0, "program_headroom_tokens": 0.0}
