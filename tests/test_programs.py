@@ -47,6 +47,13 @@ def run(sched: Scheduler, max_steps: int = 2_000) -> None:
     raise AssertionError("did not finish")
 
 
+def with_clock(sched: Scheduler) -> list[float]:
+    """The scheduler's clock as a list of one value the test moves."""
+    now = [0.0]
+    sched.lookahead.clock = lambda: now[0]
+    return now
+
+
 def priced(sched: Scheduler, per_token_s: float) -> None:
     """Teach the step-time fit that a computed token costs `per_token_s`."""
     for tokens in (1, 50, 100, 200) * 3:
@@ -62,8 +69,7 @@ def paused_a_then_new_b(per_token_s: float, **settings):
     tokens, which the pool holds only by evicting A's) arrives. Returns the scheduler, A's
     finished request and B."""
     sched = scheduler(POOL, eviction_policy="graph", **settings)
-    now = [0.0]
-    sched.lookahead.clock = lambda: now[0]
+    now = with_clock(sched)
     priced(sched, per_token_s)
     a = program_req("a1", ids(1, 120), "A", after_s=5.0)
     sched.add(a)
@@ -210,8 +216,7 @@ TestProgramMachine.settings = settings(max_examples=40, stateful_step_count=30, 
 def test_a_ttl_pin_keeps_a_tool_waiting_path_until_it_is_back_or_expires():
     for back_after_s, kept in ((2.0, True), (20.0, False)):
         sched = scheduler(POOL, eviction_policy="lru", tool_pin_ttl_s=10.0)
-        now = [0.0]
-        sched.lookahead.clock = lambda: now[0]
+        now = with_clock(sched)
         a = program_req("a1", ids(1, 120), "A", after_s=5.0)
         sched.add(a)
         run(sched)
@@ -236,8 +241,7 @@ def test_the_wait_is_priced_by_the_gaps_seen_not_the_declared_return():
     where on the declared 5 s it would have entered."""
     for learned in (False, True):
         sched = scheduler(POOL, eviction_policy="graph")
-        now = [0.0]
-        sched.lookahead.clock = lambda: now[0]
+        now = with_clock(sched)
         priced(sched, 0.02)
         prompt = ids(1, 100)
         for turn in range(3 if learned else 1):
