@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from runtime.generation import GenerationState
 from runtime.protocol import GraphHints, SamplingParams
+from runtime.scheduler.branches import MAX_BRANCHES
 from runtime.scheduler.programs import STARVATION_S, NoPrograms, ProgramGate
 from runtime.scheduler.request import Req, ReqKind
 from runtime.scheduler.scheduler import Scheduler
@@ -255,3 +256,11 @@ def test_the_wait_is_priced_by_the_gaps_seen_not_the_declared_return():
         sched.add(b)
         step(sched)
         assert (b.rid in sched.waiting) == learned
+
+
+def test_a_client_naming_a_new_program_per_request_keeps_the_gate_bounded():
+    sched = scheduler(POOL, eviction_policy="graph")
+    gate = sched.lookahead.programs
+    for n in range(MAX_BRANCHES + 50):
+        gate.arrived(program_req(f"r{n}", [3, 4], f"p{n}", after_s=None), 0.0)
+    assert len(gate.programs) == MAX_BRANCHES and (None, "p0") not in gate.programs

@@ -193,7 +193,8 @@ def percentile(values: list[float], q: float) -> float:
 
 # the rows besides the unbounded pool: name -> (eviction, settings); TTL_ROW's pin is the
 # trace's time scale (86% of tool calls return within it), "{host}" the host tier's size
-PROGRAMS_ROW, TTL_ROW, HOST_ROW = "programs (graph + gate)", "lru + ttl pin", "lru + host tier"
+PROGRAMS_ROW, TTL_ROW = "programs (graph + gate)", "lru + ttl pin"
+HOST_ROW, PROGRAMS_HOST_ROW = "lru + host tier", "programs + host tier"
 ROWS = {
     "lru": ("lru", {}),
     "graph, requests": ("graph", {"program_admission": False}),
@@ -201,6 +202,7 @@ ROWS = {
     TTL_ROW: ("lru", {}),
     PROGRAMS_ROW: ("graph", {}),
     HOST_ROW: ("lru", {}),
+    PROGRAMS_HOST_ROW: ("graph", {}),
 }
 
 
@@ -237,7 +239,8 @@ def run_cell_rows(
     host_gib = unbounded.working_set * unbounded.kv_bytes_per_token * HOST_HEADROOM / 2**30
     capacity = math.ceil(batch.working_set_tokens() * UNBOUNDED_HEADROOM)
     check_memory(max(capacity, pool) * unbounded.kv_bytes_per_token + host_gib * 2**30)
-    extra = {TTL_ROW: {"tool_pin_ttl_s": batch.time_scale}, HOST_ROW: {"host_kv_gb": host_gib}}
+    host = {"host_kv_gb": host_gib}
+    extra = {TTL_ROW: {"tool_pin_ttl_s": batch.time_scale}, HOST_ROW: host, PROGRAMS_HOST_ROW: host}
     rows = {}
     for name in rows_wanted:
         policy, settings = ROWS[name]

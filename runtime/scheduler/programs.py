@@ -7,9 +7,12 @@ next turn) and the path it paused at is still in the pool: that path is the prog
 KV. Graph eviction ranks kept paths after everything no one will read (a finished program's
 KV goes first, the farthest return of the paused first after that). A request of a program
 that is not in (its first, or one whose kept path was evicted meanwhile) enters only if the
-slots it needs fit beside every kept path: the programs in keep their working sets instead of
-every program thrashing every other's. Without the gate, agents at a 35% pool compute 3x the
-exact bound (RESULTS.md, agent_trace_bench.py).
+slots it needs fit beside every kept path and a headroom for the programs in to grow into:
+the programs in keep their working sets instead of every program thrashing every other's.
+Without the gate, agents at a 35% pool compute 3x the exact bound (RESULTS.md,
+agent_trace_bench.py). The headroom is learned: a kept path lost to eviction (the programs in
+outgrew the pool) adds its length, each entry takes HEADROOM_DECAY of it off. With a lower
+tier (host memory, disk) an evicted path is loaded back, not recomputed: its program stays in.
 
 Which waiting program enters first: higher GraphHints.priority, then least attained service
 (tokens computed for the program so far; Autellix's PLAS), then the oldest; one that has waited
@@ -18,8 +21,12 @@ not fit holds the rest, so a large program is not passed forever by small ones.
 
 Waiting is priced: when nothing runs and every program in is paused on its tools, a waiting
 program enters anyway if recomputing the kept KV it would evict (the engine's measured cost per
-token, StepTime) costs less than waiting for the soonest expected return. Where recompute is
-nearly free (a tiny model) the gate steps aside; where it is dear, programs keep their KV.
+token, StepTime) costs less than waiting for the soonest expected return. A return is expected
+when it was declared (GraphHints.next_turn_after_s: flowlang sends the slowest offered tool's
+latency_s) until returns after that declaration have been seen: then after the gap they took.
+Where recompute is nearly free (a tiny model) the gate steps aside; where it is dear, programs
+keep their KV. (Pricing the wait while a few decodes run as well was tried: on the default
+model it let 365 programs in priced and computed 1.63x the bound instead of 1.20x; RESULTS.md.)
 
 `NoPrograms` is the gate turned off (`program_admission=False`, or eviction that knows no
 future): every request is its own program and nothing is held.
@@ -110,8 +117,9 @@ class ProgramGate:
         if key in self.programs:
             self.programs.move_to_end(key)
             return
-        while len(self.programs) >= MAX_BRANCHES:
-            self.programs.popitem(last=False)
+        if len(self.programs) >= MAX_BRANCHES:  # the least recently seen that runs nothing
+            idle = next((k for k, r in self.programs.items() if not r.num_running), None)
+            self.programs.pop(idle, None)  # (all running: at most max_running_requests more)
         self.programs[key] = ProgramRecord(now_s)
 
     def _learn_gap(self, paused: Paused, now_s: float) -> None:
