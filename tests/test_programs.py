@@ -264,3 +264,16 @@ def test_a_client_naming_a_new_program_per_request_keeps_the_gate_bounded():
     for n in range(MAX_BRANCHES + 50):
         gate.arrived(program_req(f"r{n}", [3, 4], f"p{n}", after_s=None), 0.0)
     assert len(gate.programs) == MAX_BRANCHES and (None, "p0") not in gate.programs
+
+
+def test_a_program_larger_than_the_pool_fails_at_once_and_holds_no_entry():
+    sched, a, b = paused_a_then_new_b(per_token_s=0.1)  # B waits for A (as above)
+    huge = program_req("h1", ids(8, POOL + 10), "H", after_s=None)
+    huge.hints = GraphHints(program_id="H", priority=100)  # first in entry order
+    sched.add(huge)
+    step(sched)
+    assert huge.gen.finished and "raise max_kv_tokens" in huge.error
+    assert b.rid in sched.waiting  # B still waits for A's return, not for the huge one
+    back = a_returns(sched, a)
+    run(sched)
+    assert back.usage.cached_tokens == len(a.all_ids) - 1 and b.gen.finished

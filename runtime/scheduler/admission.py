@@ -129,8 +129,8 @@ class AdmissionPass:
         paused programs keep; or nothing runs and waiting for them costs more than
         recomputing what it evicts of theirs (programs.py)."""
         s, programs = self.s, self.programs
-        if programs.is_in(req):
-            return ADMIT
+        if programs.is_in(req) or s.need(req) > s.kv.allocator.num_slots:
+            return ADMIT  # (one larger than the pool never enters: `fits` fails it at once)
         if self.entrants is None:
             self.entrants = programs.entry_order(s.waiting.values(), s.lookahead.now_s)
             self.kept = programs.kept_tokens()

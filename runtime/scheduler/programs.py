@@ -24,8 +24,7 @@ program enters anyway if recomputing the kept KV it would evict (the engine's me
 token, StepTime) costs less than waiting for the soonest expected return. A return is expected
 when it was declared (GraphHints.next_turn_after_s: flowlang sends the slowest offered tool's
 latency_s) until returns after that declaration have been seen: then after the gap they took.
-Where recompute is nearly free (a tiny model) the gate steps aside; where it is dear, programs
-keep their KV. (Pricing the wait while a few decodes run as well was tried: on the default
+(Pricing the wait while a few decodes run as well was tried: on the default
 model it let 365 programs in priced and computed 1.63x the bound instead of 1.20x; RESULTS.md.)
 
 `NoPrograms` is the gate turned off (`program_admission=False`, or eviction that knows no
