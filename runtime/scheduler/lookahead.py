@@ -115,9 +115,9 @@ class Lookahead:
         # a return declared further out than the horizon is "not soon", however far
         after_s = min(hints.next_turn_after_s or 0.0, MAX_HINT_RETURN_S)
         self.kv.marks.mark_continuation(req.kv.lock_pos, self.now_s + after_s, not after_s)
-        self.ttl_pins.paused(req, req.kv.lock_pos, self.now_s)
         if hints.program_id is None:
             return
+        self.ttl_pins.paused(req, req.kv.lock_pos, self.now_s)  # (per branch: programs only)
         self.programs.paused_at(req, self.kv.cache.resolve(req.kv.lock_pos), self.now_s, after_s)
         key = branch_key(req)
         if not after_s and self.keeps_wanted:

@@ -1,11 +1,12 @@
 """A fixed time-to-live pin at tool calls (Continuum's rule; `tool_pin_ttl_s`): a baseline the
 program gate (programs.py) is measured against, and a setting for whoever wants it.
 
-A request that ends on a continuation with a declared return (a gen offered tools: its branch
-waits on their calls) keeps its path locked for `tool_pin_ttl_s` seconds after it finishes, so
-nothing evicts it while the tools run. The pin goes when the branch's next request arrives (it
-locks the path itself) or when the time is up, whichever is first. A pin holds memory whoever
-waits for it: under pressure, requests that do not fit beside the pins wait or fail as busy.
+A request of a program (GraphHints.program_id) that ends on a continuation with a declared
+return (a gen offered tools: its branch waits on their calls) keeps its path locked for
+`tool_pin_ttl_s` seconds after it finishes, so nothing evicts it while the tools run. The pin
+goes when the branch's next request arrives (it locks the path itself) or when the time is up,
+whichever is first. A pin holds memory whoever waits for it: under pressure, requests that do
+not fit beside the pins wait or fail as busy.
 `NoTtlPins` is the rule turned off (the default).
 """
 
