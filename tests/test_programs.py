@@ -146,7 +146,7 @@ def test_least_attained_service_enters_first_and_starvation_is_bounded():
     assert gate_order == [["f1", "o2"], ["o2", "f1"]]
 
 
-def test_a_requests_without_a_program_never_wait_at_the_gate():
+def test_requests_without_a_program_never_wait_at_the_gate():
     sched, a, _ = paused_a_then_new_b(per_token_s=0.1)
     plain = program_req("p1", ids(7, 150), "x", after_s=None)
     plain.hints = GraphHints()
