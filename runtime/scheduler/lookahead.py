@@ -118,7 +118,7 @@ class Lookahead:
         if hints.program_id is None:
             return
         self.ttl_pins.paused(req, req.kv.lock_pos, self.now_s)  # (per branch: programs only)
-        self.programs.paused_at(req, self.kv.cache.resolve(req.kv.lock_pos), self.now_s, after_s)
+        self.programs.paused_at(req, req.kv.lock_pos, self.now_s, after_s)
         key = branch_key(req)
         if not after_s and self.keeps_wanted:
             tokens = future_tokens(req, self.kv.allocator.num_slots)

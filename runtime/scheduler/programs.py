@@ -47,7 +47,7 @@ from runtime.scheduler.request import Req
 from runtime.scheduler.step_time import StepTime
 
 if TYPE_CHECKING:
-    from runtime.cache.nodes import TreeNode
+    from runtime.cache.nodes import TreeNode, TreePosition
     from runtime.scheduler.kv import KVManager
 
 STARVATION_S = 60.0  # a request waiting this long to enter goes before every one that has not
@@ -92,6 +92,9 @@ class ProgramGate:
         self._running: dict[str, tuple] = {}  # rid of a running request -> its program key
         # branch key (owner, program, branch) -> Paused
         self.paused = BranchTable()
+        # program key -> its branch keys that paused (some may have left `paused` since: the
+        # table drops an owner's oldest); so asking whether a program is in reads its own
+        self._paused_branches: dict[tuple, set[tuple]] = {}
         # declared return s -> the gap seen for it (decayed mean): a tool's calls return when
         # they do, not when the slowest offered tool said it might
         self.gap_s: dict[float, float] = {}
@@ -139,12 +142,20 @@ class ProgramGate:
             self._running[req.rid] = key
             self.paused.pop(branch_key(req))  # its branch is back
 
-    def paused_at(self, req: Req, node: TreeNode, now_s: float, declared_s: float) -> None:
-        """A branch of a program paused with its path ending at `node` (locked now), declaring
-        it is back `declared_s` from now."""
-        if program_key(req) is not None:
+    def paused_at(self, req: Req, position: TreePosition, now_s: float, declared_s: float) -> None:
+        """A branch of a program paused with its path ending at `position` (locked now),
+        declaring it is back `declared_s` from now."""
+        key = program_key(req)
+        if key is not None:
+            node = self.kv.cache.resolve(position)
             back_s = now_s + self.gap_s.get(declared_s, declared_s)
             self.paused.put(branch_key(req), Paused(node, back_s, now_s, declared_s))
+            self._paused_branches.setdefault(key, set()).add(branch_key(req))
+            if len(self._paused_branches) > MAX_BRANCHES:  # (the table dropped some): prune
+                self._paused_branches = {
+                    k: live for k, b in self._paused_branches.items()
+                    if (live := {x for x in b if self.paused.get(x) is not None})
+                }  # fmt: skip
 
     def released(self, req: Req) -> None:
         key = self._running.pop(req.rid, None)
@@ -173,10 +184,16 @@ class ProgramGate:
         record = self.programs.get(key)
         if record is not None and record.num_running > 0:
             return True
-        # (with a lower tier, an evicted path is loaded back, not recomputed: still in)
-        return any(
-            b[:2] == key and (self.tiers_keep or not p.node.evicted) for b, p in self.paused.items()
-        )
+        branches = self._paused_branches.get(key, set())
+        for branch in list(branches):
+            paused = self.paused.get(branch)
+            if paused is None:
+                branches.discard(branch)  # back, forgotten or dropped since
+            elif self.tiers_keep or not paused.node.evicted:
+                return True  # (with a lower tier an evicted path is loaded back: still in)
+        if not branches:
+            self._paused_branches.pop(key, None)
+        return False
 
     def kept_tokens(self) -> int:
         """Unlocked tokens on the paths the paused programs in will read again (each once)."""
@@ -230,6 +247,8 @@ class ProgramGate:
             assert record.num_running == counts.get(key, 0), f"program {key} miscounted"
         assert len(self._running) == sum(counts.values()), "a released request still counted"
         assert self.kept_tokens() <= self.kv.cache.evictable_size
+        for branch, _ in self.paused.items():
+            assert branch in self._paused_branches.get(branch[:2], ()), f"{branch} not indexed"
 
 
 class NoPrograms:
@@ -241,7 +260,7 @@ class NoPrograms:
     def started(self, req: Req) -> None:
         pass
 
-    def paused_at(self, req: Req, node: TreeNode, now_s: float, declared_s: float) -> None:
+    def paused_at(self, req: Req, position: TreePosition, now_s: float, declared_s: float) -> None:
         pass
 
     def released(self, req: Req) -> None:
