@@ -527,6 +527,25 @@ def test_fork_branches_run_where_the_fork_pinned_its_prefix(fresh, single):
     assert max(finished.values()) >= 3
 
 
+@program
+def short_turns(s, name: str):
+    """Turns too short for a cached match to decide where they run (under 32 tokens)."""
+    for turn in range(3):
+        s += f" {name}, turn {turn}:" + gen(f"turn{turn}", max_new_tokens=4, temperature=0.0)
+
+
+def test_a_programs_turns_stay_on_its_home_replica(fresh, single):
+    """Routed request by request, every turn of a program runs where its first turn did (the
+    least loaded replica would take each turn otherwise): its program id reaches the router."""
+    moves, known = fresh.router.program_moves, fresh.router.num_program_homes
+    backend = ClusterBackend(fresh, single.tokenizer, place=False)
+    batch = [{"name": f"Caller {i}"} for i in range(6)]
+    states = short_turns.run_batch(batch, backend=backend, progress=False, max_workers=6)
+    assert all(state["turn2"] is not None for state in states)
+    assert fresh.router.num_program_homes == known + 6  # one per program
+    assert fresh.router.program_moves == moves
+
+
 def test_a_cancelled_score_is_stopped_on_its_replica(fresh):
     """The front's score forwards its cancellation (a client that went away): the replica
     stops the score, releases its pin and keeps serving."""

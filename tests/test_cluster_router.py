@@ -261,3 +261,57 @@ def test_serve_cli_puts_replicas_on_gpus_as_asked(monkeypatch):
     assert seen["cluster"].router.policy == "round_robin"
     with pytest.raises(ValueError, match="must be > 0"):
         ClusterConfig(num_gpus_per_replica=0)
+
+
+# ---------------------------------------------------------------- program homes (issue 52)
+def test_a_program_stays_home_unless_another_replica_costs_move_tokens_less():
+    config = RouterConfig(min_match_tokens=32, program_move_tokens=64, balance_abs_threshold=4)
+
+    def choose(matches, loads, evictions=(0, 0), home=0):
+        return choose_cache_aware(matches, loads, evictions, 500, config, home=home)
+
+    assert choose([40, 40], [3, 0]) == 0  # a tie goes home, not to the less loaded
+    assert choose([0, 0], [3, 1]) == 0  # nothing cached anywhere: still home
+    assert choose([0, 0], [3, 1], home=None) == 1  # no program: least loaded
+    assert choose([40, 100], [1, 1]) == 0  # 60 tokens cheaper elsewhere: not worth a move
+    assert choose([40, 120], [1, 1]) == 1  # 80 cheaper: moves
+    assert choose([400, 40], [1, 1], evictions=(450, 0)) == 1  # home is full of others' KV
+    assert choose([400, 40], [9, 0]) == 1  # imbalanced: the guard leaves home out
+
+
+def test_router_keeps_turns_at_home_counts_moves_and_forgets_dead_homes():
+    router = _router("cache_aware", min_match_tokens=32)
+    turn = SHARED[:20]  # too short a match to follow: without a home, load decides
+    assert router.route("p-1", turn, program="p") == 0
+    assert router.route("q-1", turn, program="q") == 1  # 0 is busier
+    router.finish("p-1")
+    router.route("busy", (7,), prefer=0)
+    assert router.route("p-2", turn + (1,), program="p") == 0  # home, though busier
+    assert router.route("p-3", turn, namespace="t", program="p") == 1  # another tenant's p
+    assert router.program_moves == 0
+    router.remove_replica(0)
+    assert router.route("p-4", turn, program="p") == 1  # its home died: no move counted
+    assert router.program_moves == 0
+    no_homes = _router("cache_aware", min_match_tokens=32, program_affinity=False)
+    no_homes.route("busy", (7,), prefer=0)
+    assert no_homes.route("p-1", turn, program="p") == 1
+    no_homes.finish("busy")
+    no_homes.route("busy-1", (7,), prefer=1)
+    assert no_homes.route("p-2", turn, program="p") == 0  # scattered by load
+    assert no_homes.program_moves == 1
+
+
+def test_a_pinned_prefix_counts_as_cached_and_homes_its_readers_softly():
+    """A fork's pin is its readers' home under the cost rule: they go there while it is as
+    cheap as anywhere (its KV counts as cached before its events arrive), and elsewhere once
+    the pin's replica costs more than `program_move_tokens` extra."""
+    router = Router(RouterConfig(min_match_tokens=32, program_move_tokens=64))
+    router.add_replica(0, capacity_tokens=10_000)
+    router.add_replica(1, capacity_tokens=1_000)
+    router.place_pin("trunk", 1, SHARED)
+    assert router.match_lens(SHARED + (1,)) == {0: 0, 1: 400}
+    assert router.route("branch-1", SHARED + (1,)) == 1
+    router.route("hog", tuple(range(5000, 6500)), prefer=1)  # more than 1 holds
+    assert router.route("branch-2", SHARED + (2,)) == 0  # evicting 500 there costs more
+    router.release_pin("trunk")
+    assert router.match_lens(SHARED + (3,))[1] == 400  # branch-1 still runs on 1

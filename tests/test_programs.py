@@ -21,13 +21,14 @@ from tests.test_scheduler import VOCAB, fake_logits, scheduler
 POOL = 200
 
 
-def program_req(rid: str, ids: list[int], program: str, after_s: float | None, new: int = 4):
-    """A request of `program`; `after_s`: it pauses on a tool and is back that much later
-    (None: the program's last request)."""
+def program_req(
+    rid: str, ids: list[int], program: str, after_s: float | None, new: int = 4, branch=None
+):
+    """A request of `program` (on `branch`); `after_s`: it pauses on a tool and is back that
+    much later (None: the program's last request)."""
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
-    hints = GraphHints(
-        program_id=program, continuation=after_s is not None, next_turn_after_s=after_s
-    )
+    hints = GraphHints(program_id=program, branch_id=branch, continuation=after_s is not None,
+                       next_turn_after_s=after_s)  # fmt: skip
     return Req(rid, ids, GenerationState(params, ids, None, (), VOCAB), ReqKind.GENERATE,
                None, hints, 0)  # fmt: skip
 
@@ -144,6 +145,29 @@ def test_least_attained_service_enters_first_and_starvation_is_bounded():
             again.usage.submitted_s -= STARVATION_S
         gate_order.append([r.rid for r in gate.entry_order(sched.waiting.values(), 0.0)])
     assert gate_order == [["f1", "o2"], ["o2", "f1"]]
+
+
+def test_a_forked_programs_service_is_its_longest_path_not_the_sum():
+    """ATLAS: "wide" computed 3 branches of 40 tokens on a 20-token trunk (140 in all, 60
+    along its longest path); "long" computed 100 in a row. Summed, "wide" would enter after
+    "long"; along the critical path it enters first."""
+    sched = scheduler(POOL, eviction_policy="graph")
+    gate = sched.lookahead.programs
+    trunk = program_req("w0", ids(7, 20), "wide", after_s=None)
+    sched.add(trunk)
+    run(sched)
+    for i in range(3):  # the branches extend the trunk: each computes its own 40
+        branch = ids(7, 20) + ids(10 + i, 40)
+        sched.add(program_req(f"w{i + 1}", branch, "wide", None, branch=f"0.{i}"))
+    run(sched)
+    sched.add(program_req("l0", ids(8, 100), "long", after_s=None))
+    run(sched)
+    records = {key[1]: record for key, record in gate.programs.items()}
+    assert records["wide"].critical_tokens == 60 and records["long"].critical_tokens == 100
+    nexts = [program_req("w9", ids(9, 8), "wide", None), program_req("l9", ids(9, 8), "long", None)]
+    for req in reversed(nexts):
+        sched.add(req)
+    assert [r.rid for r in gate.entry_order(sched.waiting.values(), 0.0)] == ["w9", "l9"]
 
 
 def test_requests_without_a_program_never_wait_at_the_gate():

@@ -54,15 +54,13 @@ STATS_SHOWN = ("programs_entered_total", "programs_entered_priced_total",
                "evicted_tokens_total", "steps_total")  # fmt: skip
 
 
-class RetryingBackend(LocalBackend):
-    """A LocalBackend that resubmits a request the engine refused as busy ("retry later": pins
+class Retrying:
+    """A backend mixin that resubmits a request the engine refused as busy ("retry later": pins
     and running prefixes hold the whole pool), as a client that honours the answer does; the
     table counts the retries (greedy, so a retried request gives the same output)."""
 
-    def __init__(self, engine, record: bool = False) -> None:
-        super().__init__(engine, record)
-        self.retries = 0
-        self._retries_lock = threading.Lock()
+    retries = 0
+    _retries_lock = threading.Lock()
 
     def generate(self, request):
         return _RetryingHandle(self, request)
@@ -74,6 +72,10 @@ class RetryingBackend(LocalBackend):
         with self._retries_lock:
             self.retries += 1
         time.sleep(RETRY_AFTER_S)
+
+
+class RetryingBackend(Retrying, LocalBackend):
+    """The engine in this process, retried when busy."""
 
 
 class _RetryingHandle:
@@ -118,10 +120,10 @@ class PriorityHints(RetryingBackend):
 class RowResult:
     computed: int  # prefill tokens computed
     evicted: int
-    completions_s: list[float]  # per program, from the batch's start
-    makespan_s: float
+    completions_s: list[float]  # per program, from the batch's start (nan: it failed)
     outputs: list[tuple | None]  # per program: its tokens and its subagents' reports
     failures: list[str]  # the programs that failed (the engine refused a request)
+    makespan_s: float
     working_set: int  # tokens, from the recorded trace (unbounded row only)
     analytic_bound: int  # prefill lower bound from the recorded requests (unbounded row only)
     kv_bytes_per_token: int
@@ -157,12 +159,7 @@ def run_row(
     with make_engine(model, tokenizer, capacity, policy, batch, **settings) as engine:
         recording = bool(settings.get("record_trace"))  # the unbounded row: bounds measured
         backend = (backend_type or RetryingBackend)(engine, record=recording)
-        start = time.perf_counter()
-        states = agent_trace.run_batch(
-            batch.batch_args(), backend=backend, progress=False, max_workers=len(batch.agents)
-        )
-        makespan_s = time.perf_counter() - start
-        done = [s for s in states if hasattr(s, "text")]  # a failure is an InstanceError
+        states, start, makespan_s = run_timed(batch, backend)
         engine.check_integrity()
         stats = engine.stats()
         if show_stats:
@@ -173,18 +170,50 @@ def run_row(
         return RowResult(
             int(stats["prefill_tokens_total"]),
             int(stats["evicted_tokens_total"]),
-            [s["finished_s"] - start for s in done],
+            *program_results(states, start),
             makespan_s,
-            [
-                (tuple(s.token_ids()), tuple(s.get("report") or ())) if hasattr(s, "text") else None
-                for s in states
-            ],  # fmt: skip
-            [str(s) for s in states if not hasattr(s, "text")],
             working_set(trace) if trace else 0,
             backend.prompt_report()["lower_bound"] if recording else 0,
             engine.arch.kv_bytes_per_token(engine.config.dtype),
             backend.retries,
         )
+
+
+def run_timed(batch: AgentBatch, backend) -> tuple[list, float, float]:
+    """Every agent of the batch at once through `backend`: the states, the start (perf_counter
+    seconds) and the makespan."""
+    start = time.perf_counter()
+    states = agent_trace.run_batch(
+        batch.batch_args(), backend=backend, progress=False, max_workers=len(batch.agents)
+    )
+    return states, start, time.perf_counter() - start
+
+
+def program_results(states: list, start_s: float) -> tuple[list, list, list]:
+    """From run_batch's states: each program's completion seconds (nan if it failed) and output
+    (its tokens and its subagents' reports; None if it failed), and the failures."""
+    completions, outputs, failures = [], [], []
+    for state in states:
+        if hasattr(state, "text"):  # a failure is an InstanceError
+            completions.append(state["finished_s"] - start_s)
+            outputs.append((tuple(state.token_ids()), tuple(state.get("report") or ())))
+        else:
+            completions.append(math.nan)
+            outputs.append(None)
+            failures.append(str(state))
+    return completions, outputs, failures
+
+
+def completed(completions_s: list[float]) -> list[float]:
+    """The completions of the programs that finished ([nan] if none did)."""
+    return [c for c in completions_s if not math.isnan(c)] or [math.nan]
+
+
+def short_p99(batch: AgentBatch, completions_s: list[float]) -> float:
+    """p99 completion of the short programs: those with at most the median rounds."""
+    median = statistics.median(len(a.rounds) for a in batch.agents)
+    short = [c for a, c in zip(batch.agents, completions_s, strict=True) if len(a.rounds) <= median]
+    return percentile(completed(short), 0.99)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -259,6 +288,14 @@ def check_memory(bytes_needed: float) -> None:
         )
 
 
+def row_figures(row: RowResult, bound: int) -> str:
+    """prefill, its ratio to the bound, mean / p90 / p99 completion and makespan: table cells."""
+    done = completed(row.completions_s)
+    return (f"{row.computed:>9,} {row.computed / bound:>7.2f}x {statistics.mean(done):>7.1f} "
+            f"{percentile(done, 0.9):>7.1f} {percentile(done, 0.99):>7.1f} "
+            f"{row.makespan_s:>8.1f}s")  # fmt: skip
+
+
 def print_cell(batch: AgentBatch, rows: dict[str, RowResult]) -> None:
     unbounded = rows["unbounded pool"]
     bound, reference = unbounded.computed, unbounded.outputs
@@ -269,14 +306,13 @@ def print_cell(batch: AgentBatch, rows: dict[str, RowResult]) -> None:
           + ("" if not unbounded.evicted else
              f" (the unbounded pool evicted {unbounded.evicted:,}: not a bound)"))  # fmt: skip
     print(f"{'row':<26} {'prefill':>9} {'÷ bound':>8} {'mean s':>7} {'p90 s':>7} {'p99 s':>7} "
-          f"{'makespan':>9} {'prog/s':>7} {'retries':>7} {'outputs':>8}")  # fmt: skip
+          f"{'makespan':>9} {'prog/s':>7} {'short p99':>9} {'retries':>7} "
+          f"{'outputs':>8}")  # fmt: skip
     for name, row in rows.items():
-        done = row.completions_s or [math.nan]
         same = "equal" if row.outputs == reference else "DIFFER"
-        print(f"{name:<26} {row.computed:>9,} {row.computed / bound:>7.2f}x "
-              f"{statistics.mean(done):>7.1f} {percentile(done, 0.9):>7.1f} "
-              f"{percentile(done, 0.99):>7.1f} {row.makespan_s:>8.1f}s "
-              f"{len(row.completions_s) / row.makespan_s:>7.3f} {row.retries:>7} "
+        print(f"{name:<26} {row_figures(row, bound)} "
+              f"{len(completed(row.completions_s)) / row.makespan_s:>7.3f} "
+              f"{short_p99(batch, row.completions_s):>9.1f} {row.retries:>7} "
               f"{same:>8}" + (f"  {len(row.failures)} failed" if row.failures else ""))  # fmt: skip
     for name, row in rows.items():
         for failure in row.failures[:2]:

@@ -187,8 +187,18 @@ class Cluster:
     ) -> ClusterPin:
         """Pin a prefix on one replica; `replica_of_pin` sends its readers there."""
         rid = f"pin-route-{uuid.uuid4().hex[:12]}"
+        program = hints.program_id if hints is not None else None  # the trunk goes home too
         info, replica_id = self._call(
-            rid, prefix_ids, namespace, prefer, "pin", prefix_ids, namespace, hints, where=True
+            rid,
+            prefix_ids,
+            namespace,
+            prefer,
+            "pin",
+            prefix_ids,
+            namespace,
+            hints,
+            where=True,
+            program=program,
         )
         self.router.place_pin(info.pin_id, replica_id, prefix_ids, namespace)
         return ClusterPin(info, self._unpin)
@@ -212,6 +222,7 @@ class Cluster:
                 request,
                 on_chunk=on_chunk,
                 retract=retract,
+                program=request.hints.program_id,
             )
         except NoReplicaError as err:
             return unavailable_result(rid, f"no replica could run the request: {err}")
@@ -229,13 +240,14 @@ class Cluster:
         where: bool = False,
         on_chunk=None,
         retract=None,
+        program=None,
     ):
         """Route, call `method` on the replica's actor, re-route if the replica dies (unless
         part of a streamed answer has already gone to the client and `retract` cannot take it
-        back: then StreamBrokenError)."""
+        back: then StreamBrokenError). `program` keeps a program's turns together."""
         ray = self._ray
         for _ in range(self.config.max_attempts):
-            replica_id = self.router.route(rid, ids, namespace, prefer)
+            replica_id = self.router.route(rid, ids, namespace, prefer, program)
             incarnation = self._incarnation[replica_id]
             streamed = [0]  # chunks passed on
             try:

@@ -27,6 +27,8 @@ continue (without it, the simulation's W1 computes 1.45x the tokens at 8 replica
    lightly loaded replica would be recomputed from scratch.
 2. A match shorter than `min_match_tokens` everywhere: the least-loaded replica (a stray short
    match, a shared "Problem:" opener, must not pile unrelated requests onto one replica).
+3. A request of a program that has a home (the replica its last turn ran on; homes.py) goes
+   home there too, and elsewhere only if another replica costs `program_move_tokens` less.
 
 SGLang's router (sgl-model-gateway, policy `cache_aware`: cache_threshold=0.3,
 balance_abs_threshold=64, balance_rel_threshold=1.5) matches against an approximate tree of
@@ -61,6 +63,8 @@ class RouterConfig:
     guard_slack: int = 2  # `cache_aware`, imbalanced: priced replicas are within this of the min
     cache_threshold: float = 0.3  # `approximate` only: SGLang's match / prompt ratio
     loaded_token_cost: float = 0.1  # `cache_aware`: a token loaded from a lower KV tier
+    program_affinity: bool = True  # `cache_aware`: a program's turns stay on its home replica
+    program_move_tokens: int = 64  # ... unless another costs this many tokens less
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -69,6 +73,8 @@ class RouterConfig:
             raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
         if self.guard_slack < 0:
             raise ValueError(f"guard_slack must be >= 0, got {self.guard_slack}")
+        if self.program_move_tokens < 0:
+            raise ValueError(f"program_move_tokens must be >= 0, got {self.program_move_tokens}")
         if self.min_match_tokens < 1:
             raise ValueError(f"min_match_tokens must be >= 1, got {self.min_match_tokens}")
         if not 0.0 <= self.loaded_token_cost <= 1.0:
@@ -100,21 +106,26 @@ def choose_cache_aware(
     prompt_len: int,
     config: RouterConfig,
     reach: Sequence[int] | None = None,
+    home: int | None = None,
 ) -> int:
     """Our rule (module docstring): the replica where the request computes plus evicts the
     fewest tokens, among those the guard leaves; `evictions[i]` is what admitting it on
-    replica i would evict, `reach[i]` how far into the prompt its lower tiers reach."""
+    replica i would evict, `reach[i]` how far into the prompt its lower tiers reach, `home`
+    the index of its program's home (None: no program, or a new one)."""
     candidates = range(len(loads))
     if is_imbalanced(loads, config):
         floor = min(loads) + config.guard_slack
         candidates = [i for i in candidates if loads[i] <= floor]
+    if home not in candidates:
+        home = None  # the guard moves it
     if max(match_lens[i] for i in candidates) < config.min_match_tokens:
-        return least_loaded(loads)
+        return least_loaded(loads) if home is None else home
 
     def cost(i: int) -> float:
         loaded = max(0, reach[i] - match_lens[i]) if reach is not None else 0
         computed = prompt_len - match_lens[i] - loaded
-        return computed + config.loaded_token_cost * loaded + evictions[i]
+        moved = config.program_move_tokens if home is not None and i != home else 0
+        return computed + config.loaded_token_cost * loaded + evictions[i] + moved
 
     return min(candidates, key=lambda i: (cost(i), loads[i], i))
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from runtime.cache.chunks import TierView
 from runtime.cache.events import KVEvent, KVSnapshot
+from runtime.cluster.homes import ProgramHomes
 from runtime.cluster.mirror import MirrorTree
 from runtime.cluster.policy import (
     RouterConfig,
@@ -36,6 +37,7 @@ class _Replica:
     capacity_tokens: int | None  # its KV pool (None: unknown, never priced as evicting)
     running: dict[str, tuple[Hashable, tuple[int, ...]]] = field(default_factory=dict)
     new_tokens: dict[str, int] = field(default_factory=dict)  # running: what each computes
+    pinned: dict[str, tuple[Hashable, tuple[int, ...]]] = field(default_factory=dict)  # by pin
     computing_tokens: int = 0  # their sum: KV being written, not yet in the tree
     # finished requests whose insert events have not arrived: (event seq, rid)
     unconfirmed: list[tuple[int, str]] = field(default_factory=list)
@@ -71,6 +73,7 @@ class Router:
         self._replicas: dict[ReplicaId, _Replica] = {}
         self._rid_replica: dict[str, ReplicaId] = {}
         self._pins: dict[str, tuple[ReplicaId, Hashable, tuple[int, ...]]] = {}
+        self._homes = ProgramHomes()  # (namespace, program id) -> the replica it last ran on
         self._turn = itertools.count()
         self._lock = threading.Lock()
         # replicas with lower KV tiers: how they name chunks, and the disk they share
@@ -107,6 +110,7 @@ class Router:
             for rid in replica.running:
                 del self._rid_replica[rid]
             self._pins = {p: pin for p, pin in self._pins.items() if pin[0] != replica_id}
+            self._homes.drop_replica(replica_id)
             return list(replica.running)
 
     def resync(self, replica_id: ReplicaId, snapshot: KVSnapshot) -> None:
@@ -131,10 +135,12 @@ class Router:
         token_ids: Sequence[int],
         namespace: Hashable = None,
         prefer: ReplicaId | None = None,
+        program: Hashable = None,
     ) -> ReplicaId:
         """Pick a replica for a request and count it as running there until `finish(rid)`.
         `prefer` (a placement's choice), if live, wins; else a live pin whose prefix the
-        request extends sends it to the pin's replica; else the policy decides."""
+        request extends sends it to the pin's replica; else the policy decides, keeping the
+        request's `program` (its graph's program id) on its home (homes.py)."""
         ids = tuple(token_ids)
         names: list[str] = []  # the prompt's chunks below the pool, and how many are on disk
         on_disk = 0  # probed outside the lock: it reads directory entries
@@ -146,9 +152,12 @@ class Router:
                 raise NoReplicaError("no live replica to route to")
             if rid in self._rid_replica:
                 raise ValueError(f"request id {rid!r} is already routed")
+            key = None if program is None else (namespace, program)
+            chosen = prefer
             if prefer not in self._replicas:
-                prefer = self._pin_reader_replica(ids, namespace)
-            chosen = prefer if prefer is not None else self._choose(ids, namespace, names, on_disk)
+                chosen = self._destination(ids, namespace, names, on_disk, key)
+            if key is not None:
+                self._homes.record(key, chosen)
             replica = self._replicas[chosen]
             replica.start(rid, namespace, ids, len(ids) - self._match_len(replica, ids, namespace))
             if self.config.policy == "approximate":
@@ -187,11 +196,15 @@ class Router:
         prefix (its readers, e.g. a fork's branches) go there."""
         with self._lock:
             self._pins[pin_id] = (replica_id, namespace, tuple(prefix_ids))
+            if replica_id in self._replicas:
+                self._replicas[replica_id].pinned[pin_id] = (namespace, tuple(prefix_ids))
 
     def release_pin(self, pin_id: str) -> None:
         """Forget a released pin."""
         with self._lock:
-            self._pins.pop(pin_id, None)
+            pin = self._pins.pop(pin_id, None)
+            if pin is not None and pin[0] in self._replicas:
+                self._replicas[pin[0]].pinned.pop(pin_id, None)
 
     def replica_of_pin(self, pin_id: str) -> ReplicaId | None:
         """Where a pin lives, or None if unknown (released, or its replica died)."""
@@ -211,6 +224,18 @@ class Router:
         with self._lock:
             return {r: self._match_len(rep, ids, namespace) for r, rep in self._replicas.items()}
 
+    @property
+    def program_moves(self) -> int:
+        """Program turns routed away from the replica the program last ran on."""
+        with self._lock:
+            return self._homes.moves
+
+    @property
+    def num_program_homes(self) -> int:
+        """Programs whose home replica the router remembers."""
+        with self._lock:
+            return len(self._homes)
+
     def tree(self, replica_id: ReplicaId) -> MirrorTree:
         """The event-fed tree of a replica (read it only while no events are applied)."""
         with self._lock:
@@ -228,8 +253,29 @@ class Router:
                 still.append((seq, rid))
         replica.unconfirmed = still
 
+    def _destination(
+        self, ids: tuple[int, ...], namespace: Hashable, names: list[str], on_disk: int, key
+    ) -> ReplicaId:
+        """Where the policy sends a request with no placement. Its program's (`key`) last
+        replica is its home, else that of the longest live pin whose prefix it extends (a
+        fork's trunk; a batch's shared prefix would otherwise draw every program to one
+        replica); the cache-aware rule weighs the home against the cost of the others, the
+        policies without a cost model go to a pin's replica outright."""
+        pin_home = self._pin_reader_replica(ids, namespace)
+        if self.config.policy != "cache_aware":
+            if pin_home is not None:
+                return pin_home
+            return self._choose(ids, namespace, names, on_disk)
+        home = self._homes.home(key) if self.config.program_affinity else None
+        return self._choose(ids, namespace, names, on_disk, pin_home if home is None else home)
+
     def _choose(
-        self, ids: tuple[int, ...], namespace: Hashable, names: list[str], on_disk: int
+        self,
+        ids: tuple[int, ...],
+        namespace: Hashable,
+        names: list[str],
+        on_disk: int,
+        home: ReplicaId | None = None,
     ) -> ReplicaId:
         replica_ids = list(self._replicas)
         loads = [len(self._replicas[r].running) for r in replica_ids]
@@ -248,7 +294,10 @@ class Router:
                     max(on_disk, self._host_reach(r, m, names))
                     for r, m in zip(replicas, matches, strict=True)
                 ]
-            choice = choose_cache_aware(matches, loads, evictions, len(ids), self.config, reach)
+            at_home = replica_ids.index(home) if home in self._replicas else None
+            choice = choose_cache_aware(
+                matches, loads, evictions, len(ids), self.config, reach, at_home
+            )
             return replica_ids[choice]
         approx = [self._replicas[r].approx for r in replica_ids]
         matches = [tree.match_len(ids, namespace) for tree in approx]
@@ -274,9 +323,10 @@ class Router:
         return k * chunk_tokens if k > match_len // chunk_tokens else 0
 
     def _match_len(self, replica: _Replica, ids: tuple[int, ...], namespace: Hashable) -> int:
-        """Exact cached match, or a running prompt's (its KV is being computed), whole pages."""
+        """Exact cached match, or a running prompt's (its KV is being computed) or a pinned
+        prefix's (held, whether or not its events have arrived), in whole pages."""
         best = replica.tree.match_len(ids, namespace)
-        for running_ns, prompt in replica.running.values():
+        for running_ns, prompt in (*replica.running.values(), *replica.pinned.values()):
             if running_ns == namespace and len(prompt) > best:
                 best = max(best, common_prefix_len(prompt, ids))
         return best - best % self.page_size

@@ -15,7 +15,8 @@ outgrew the pool) adds its length, each entry takes HEADROOM_DECAY of it off. Wi
 tier (host memory, disk) an evicted path is loaded back, not recomputed: its program stays in.
 
 Which waiting program enters first: higher GraphHints.priority, then least attained service
-(tokens computed for the program so far; Autellix's PLAS), then the oldest; one that has waited
+(tokens computed for the program so far along its longest path; Autellix's PLAS and ATLAS,
+program_service.py), then the oldest; one that has waited
 STARVATION_S enters before any that has not. Programs enter in that order: the first that does
 not fit holds the rest, so a large program is not passed forever by small ones.
 
@@ -36,13 +37,13 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from runtime.cache.graph_policy import CONTINUATION_GRACE_S
 from runtime.cache.nodes import owner_of
 from runtime.protocol import MAX_HINT_RETURN_S
 from runtime.scheduler.branches import MAX_BRANCHES, BranchTable, branch_key
+from runtime.scheduler.program_service import ProgramRecord
 from runtime.scheduler.request import Req
 from runtime.scheduler.step_time import StepTime
 
@@ -71,13 +72,6 @@ class Paused(NamedTuple):
     back_s: float  # when it is expected back: paused_s + the gap learned for declared_s
     paused_s: float
     declared_s: float  # the return it declared (GraphHints.next_turn_after_s; 0: right away)
-
-
-@dataclass
-class ProgramRecord:
-    first_seen_s: float  # when its first request came (the scheduler's clock)
-    service_tokens: int = 0  # tokens computed for it so far (attained service)
-    num_running: int = 0  # its requests running now
 
 
 class ProgramGate:
@@ -138,7 +132,7 @@ class ProgramGate:
             record = self.programs.setdefault(key, ProgramRecord(0.0))
             record.num_running += 1
             # the prompt it computes (its cached prefix is taken by now): attained service
-            record.service_tokens += req.num_tokens - req.kv.num_computed
+            record.charge(req.hints.branch_id, req.num_tokens - req.kv.num_computed)
             self._running[req.rid] = key
             self.paused.pop(branch_key(req))  # its branch is back
 
@@ -214,7 +208,7 @@ class ProgramGate:
         def rank(req: Req) -> tuple:
             record = self.programs.get(program_key(req)) or ProgramRecord(now_s)
             starved = wall_s - req.usage.submitted_s >= STARVATION_S
-            return (not starved, -req.hints.priority, record.service_tokens, record.first_seen_s)
+            return (not starved, -req.hints.priority, record.critical_tokens, record.first_seen_s)
 
         return sorted((r for r in waiting if not self.is_in(r)), key=rank)
 
@@ -276,4 +270,7 @@ class NoPrograms:
         pass
 
     def stats(self) -> dict[str, float]:
-        return {"program_kept_lost_tokens_total": 0, "program_headroom_tokens": 0.0}
+        return {
+            "program_kept_lost_tokens_total": 0,
+            "program_headroom_tokens": 0.0,
+        }

@@ -1,0 +1,51 @@
+"""A program's record for the program gate (programs.py): when it was first seen, its requests
+running, and its attained service along its critical path (Autellix's ATLAS).
+
+Least attained service first (PLAS) favours short programs over long ones. A program that forks
+(subagents, parallel calls) computes on several branches at once; summing them would rank it
+behind a sequential program that has waited as long, so its service is that of its longest path:
+a branch counts what it computed on top of the path it forked from (branch ids are
+hierarchical: "0.2" forked from "0"), and a branch continuing after a join counts from the
+longest of the branches that joined into it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_PROGRAM_BRANCHES = 64  # branch paths remembered per program (the oldest dropped first)
+TRUNK = "0"  # the branch of a program's first request (flowlang's executor numbering)
+
+
+@dataclass
+class ProgramRecord:
+    """One program as the gate sees it.
+
+    >>> record = ProgramRecord(0.0)
+    >>> record.charge("0", 100); record.charge("0.0", 50); record.charge("0.1", 30)
+    >>> record.critical_tokens  # 100 + 50, not 180
+    150
+    >>> record.charge("0", 10); record.critical_tokens  # after the join: the longest path on
+    160
+    >>> record.charge("0.1", 5); record.path_tokens["0.1"]  # a second fork: from the trunk
+    165
+    """
+
+    first_seen_s: float  # when its first request came (the scheduler's clock)
+    num_running: int = 0  # its requests running now
+    critical_tokens: int = 0  # tokens computed along its longest path so far
+    path_tokens: dict[str, int] = field(default_factory=dict)  # per branch: along its path
+
+    def charge(self, branch: str | None, tokens: int) -> None:
+        """A request of `branch` starts and computes `tokens` of prompt."""
+        branch = branch or TRUNK
+        # a branch starts where the branch it forked from stands (a fork's numbers repeat at
+        # the next fork), and continues after a join from the longest branch that joined in
+        parent, joined = branch.rpartition(".")[0], branch + "."
+        here = max([self.path_tokens.get(branch, 0), self.path_tokens.get(parent, 0),
+                    *(v for b, v in self.path_tokens.items() if b.startswith(joined))])  # fmt: skip
+        self.path_tokens.pop(branch, None)
+        self.path_tokens[branch] = here + tokens  # (the most recently charged last)
+        if len(self.path_tokens) > MAX_PROGRAM_BRANCHES:
+            self.path_tokens.pop(next(iter(self.path_tokens)))
+        self.critical_tokens = max(self.critical_tokens, here + tokens)
