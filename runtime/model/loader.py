@@ -3,7 +3,8 @@
 transformers parses configs, tokenizers, chat templates and GGUF metadata; the `gguf` package
 dequantizes GGUF tensors (through transformers' GGUF reader, which also undoes llama.cpp's Q/K
 permutation). A GGUF file is best converted once to a folder (`convert_gguf`), which reloads in
-about a second.
+about a second. A folder whose config.json has a `quantization_config` (FP8, AWQ, GPTQ) is
+dequantized to plain fp32 weights as it loads (runtime/model/quantized.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     if path.is_file() and path.suffix == ".gguf":
         config, weights = _read_gguf(path)
         return Checkpoint(path, config, weights)
-    return Checkpoint(path, load_config(path), _read_safetensors(path))
+    return Checkpoint(path, load_config(path), _plain_weights(path, _read_safetensors(path)))
 
 
 def load_config(path: str | os.PathLike) -> Any:
@@ -152,6 +153,16 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     for name in files:
         weights.update(load_file(folder / name))
     return weights
+
+
+def _plain_weights(folder: Path, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights as an unquantized checkpoint has them: a quantized one's dequantized."""
+    quant = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    if not quant:
+        return weights
+    from runtime.model.quantized import dequantize  # it imports CheckpointError from here
+
+    return dequantize(weights, quant)
 
 
 def _gguf_config(path: Path) -> Any:
