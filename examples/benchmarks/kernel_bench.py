@@ -11,6 +11,12 @@ Prints medians (ms) and GFLOP/s (4 * rows * keys * heads * head_dim; causal coun
 With --gemm, the panel GEMM against oneDNN instead, on SmolLM2's four projections (576 -> 1728
 qkv-sized, 576 -> 3072 gate_up, 1536 -> 576 down, 576 -> 576 o) at 16-256 rows: the rows a
 verifying pass keeps on the panel GEMM (runtime/model/linear.py).
+With --quant, the GGUF block-format GEMM (csrc/quant_gemm.cpp) instead, at 1, 4 and 16 rows of
+x on SmolLM2's shapes (576 -> 576 q/o, 576 -> 192 k/v, 576 -> 1536 gate/up, 576 -> 3072 fused,
+1536 -> 576 down): the panel GEMM over the dequantized weight in x's dtype against Q8_0 and
+Q4_1, each with x as given (a) and x quantized to int8 (b). Each variant cycles through copies
+of its weight totalling 64 MB (twice the L3), so weights stream from memory as in a decode;
+variants interleave, medians per call in µs and the weight bytes read per second.
 With --backend, the CPU backend's whole attention of one layer (planning excluded) instead: B
 decodes, or B extends of 80 tokens, behind a shared 2,000-token prefix, each with an own cached
 tail (a prefix shared by every sequence of the batch: W1's system prompt), by default or
@@ -24,17 +30,20 @@ as a batch-1 verification calls it, and the time each row beyond the first adds.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
 
 from runtime.cache.pool import KVPool
 from runtime.model.attention.cascade import causal_attention_with_lse, flash_attention_with_lse
 from runtime.model.attention.cpu_backend import CpuPagedAttention
 from runtime.model.batch import ForwardBatch
-from runtime.model.native.kernels import load_cpu_kernels
+from runtime.model.native.kernels import GGML_Q4_1, GGML_Q8_0, load_cpu_kernels
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
@@ -123,6 +132,59 @@ def gemm_table(kernels, dtype: torch.dtype, repeats: int) -> None:
         )
 
 
+QUANT_SHAPES = ((576, 576), (576, 192), (576, 1536), (576, 3072), (1536, 576))  # (in, out)
+QUANT_TYPES = ((GGML_Q8_0, GGMLQuantizationType.Q8_0), (GGML_Q4_1, GGMLQuantizationType.Q4_1))
+STREAM_BYTES = 64 << 20  # each variant's copies of its weight: twice the L3
+
+
+def copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """Enough copies of a packed weight that a pass over them reads it from memory."""
+    nbytes = weight.numel() * weight.element_size()
+    return [weight.clone() for _ in range(math.ceil(STREAM_BYTES / nbytes))]
+
+
+def quant_variants(kernels, k: int, n: int, dtype: torch.dtype) -> dict[str, tuple]:
+    """name -> (a call over one copy, the copies, the bytes a call reads)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(k + n)).numpy() * 0.05
+    variants = {}
+    for code, gguf_type in QUANT_TYPES:
+        raw = quantize(w, gguf_type)
+        if code == GGML_Q8_0:  # the panel GEMM runs the dequantized Q8_0 weight
+            plain = torch.from_numpy(dequantize(raw, gguf_type)).to(dtype)
+            panels = copies(kernels.panel_pack(plain))
+            variants["panel"] = (lambda x, p: kernels.panel_gemm(x, p, None, n), panels)
+        packed = copies(kernels.quant_pack(torch.from_numpy(raw).reshape(-1), code, n, k))
+        for path, int8 in (("a", False), ("b", True)):
+            variants[f"{gguf_type.name} ({path})"] = (
+                lambda x, p, c=code, q=int8: kernels.quant_gemm(x, p, c, None, n, q),
+                packed,
+            )
+    return {
+        name: (fn, ws, ws[0].numel() * ws[0].element_size()) for name, (fn, ws) in variants.items()
+    }
+
+
+def quant_table(kernels, dtype: torch.dtype, repeats: int) -> None:
+    """Per shape and row count, every variant's median µs a call, interleaved."""
+    for k, n in QUANT_SHAPES:
+        variants = quant_variants(kernels, k, n, dtype)
+        for rows in (1, 4, 16):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            times = {name: [] for name in variants}
+            for _ in range(repeats + 1):  # the first round warms up
+                for name, (fn, weights, _) in variants.items():
+                    start = time.perf_counter()
+                    for weight in weights:
+                        fn(x, weight)
+                    times[name].append((time.perf_counter() - start) / len(weights) * 1e6)
+            cells = []
+            for name, (_, _, nbytes) in variants.items():
+                us = statistics.median(times[name][1:])
+                cells.append(f"{us:.1f} ({nbytes / us / 1e3:.0f})")
+            label = str(dtype).removeprefix("torch.")
+            print(f"| {label} | {k} -> {n} | {rows} | " + " | ".join(cells) + " |")
+
+
 def draft_rows_table(kernels, dtype: torch.dtype, repeats: int) -> None:
     """paged_attention of one sequence's 1-16 new rows over its paged keys."""
     gen = torch.Generator().manual_seed(0)
@@ -177,7 +239,10 @@ def backend_table(dtype: torch.dtype, repeats: int, batch_invariant: bool) -> No
 DRAFT_ROWS_HEADER = "| dtype | keys | 1 row µs | 2 | 3 | 5 | 9 | 16 | µs per extra row |"
 BACKEND_HEADER = "| batch of | dtype | sequences | new tokens each | ms per layer | cascades |"
 GEMM_HEADER = "| rows | dtype | oneDNN ms | panel ms | panel / oneDNN |"
-TEXT = ("dtype", "batch of")  # left-aligned columns; the rest are numbers
+QUANT_HEADER = (
+    "| dtype | in -> out | rows | panel µs (GB/s) | Q8_0 (a) | Q8_0 (b) | Q4_1 (a) | Q4_1 (b) |"
+)
+TEXT = ("dtype", "batch of", "in -> out")  # left-aligned columns; the rest are numbers
 
 
 def main() -> None:
@@ -186,6 +251,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--gemm", action="store_true", help="panel GEMM vs oneDNN instead")
     parser.add_argument("--backend", action="store_true", help="the CPU backend's attention")
+    parser.add_argument("--quant", action="store_true", help="GGUF Q8_0 / Q4_1 GEMM instead")
     parser.add_argument("--batch-invariant", action="store_true", help="with --backend")
     parser.add_argument("--draft-rows", action="store_true", help="a verifying pass's rows")
     args = parser.parse_args()
@@ -199,6 +265,7 @@ def main() -> None:
             lambda d: backend_table(d, args.repeats, args.batch_invariant),
         ),
         (args.gemm, GEMM_HEADER, lambda d: gemm_table(kernels, d, args.repeats)),
+        (args.quant, QUANT_HEADER, lambda d: quant_table(kernels, d, args.repeats)),
     )
     for chosen, header, table in tables:
         if chosen:

@@ -42,6 +42,7 @@ SOURCES = tuple(
         "pointwise.cpp",
         "panel_gemm.cpp",
         "threads.cpp",
+        "quant_gemm.cpp",
     )
 )
 HEADERS = (CSRC / "avx512_math.h", CSRC / "ops.h")

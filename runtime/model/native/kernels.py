@@ -1,6 +1,6 @@
 """The native CPU kernels (csrc/: paged and flash attention, the cascade merge, norms, RoPE,
-SiLU-and-mul, the decode-batch GEMM): built once per machine and torch build (build.py), loaded
-in milliseconds afterwards.
+SiLU-and-mul, the decode-batch GEMM, the GEMM over GGUF Q8_0 / Q4_1 weights): built once per
+machine and torch build (build.py), loaded in milliseconds afterwards.
 
 `start_building()` begins the build (or the load of a cached one) on a background thread, so an
 engine compiles while its model is fetched and loaded; `load_cpu_kernels()` waits for it. Where
@@ -20,6 +20,8 @@ from runtime.model.native import build
 from runtime.model.native.build import KernelBuildError
 
 __all__ = [
+    "GGML_Q4_1",
+    "GGML_Q8_0",
     "KernelBuildError",
     "kernel_status",
     "load_cpu_kernels",
@@ -36,6 +38,9 @@ MAX_DECODE_ROWS = 16
 # a shared prefix of whole chunks attended once continues exactly: paged_attention.cpp's kKvChunk
 KV_CHUNK = 64
 PROGRESS_EVERY_S = 30.0
+# the GGUF block formats quant_pack / quant_gemm take (GGMLQuantizationType's values)
+GGML_Q4_1 = 3
+GGML_Q8_0 = 8
 
 
 class _Kernels:
@@ -142,7 +147,10 @@ def load_cpu_kernels() -> Any:
     `merge_attention(out_a, lse_a, out_b, lse_b)`, and
     `rms_norm(x, weight, eps)`, `add_rms_norm(x, residual, weight, eps)`,
     `rope(x, cos, sin)`, `silu_and_mul(gate_up)`, and `panel_gemm(x, panels, bias, n_out)`
-    over `panel_pack(w)`'s panels where `panel_gemm_supported()`, and
+    over `panel_pack(w)`'s panels where `panel_gemm_supported()`,
+    `quant_gemm(x, packed, type, bias, n_out, quantize_x=False)` over
+    `quant_pack(raw, type, n_out, n_in)`'s groups of a weight's GGUF bytes (type GGML_Q8_0 or
+    GGML_Q4_1; quantize_x: x to int8 per 32-block, VNNI) where `quant_gemm_supported()`, and
     `release_openmp_workers()` (the calling thread's OpenMP pool, see csrc/threads.cpp).
     Raises KernelBuildError (the same one every time) where they cannot be had."""
     return _KERNELS.wait()
