@@ -537,13 +537,12 @@ def short_turns(s, name: str):
 def test_a_programs_turns_stay_on_its_home_replica(fresh, single):
     """Routed request by request, every turn of a program runs where its first turn did (the
     least loaded replica would take each turn otherwise): its program id reaches the router."""
-    moves, known = fresh.router.program_moves, fresh.router.num_program_homes
+    known, moves = fresh.router.program_homes()
     backend = ClusterBackend(fresh, single.tokenizer, place=False)
     batch = [{"name": f"Caller {i}"} for i in range(6)]
     states = short_turns.run_batch(batch, backend=backend, progress=False, max_workers=6)
     assert all(state["turn2"] is not None for state in states)
-    assert fresh.router.num_program_homes == known + 6  # one per program
-    assert fresh.router.program_moves == moves
+    assert fresh.router.program_homes() == (known + 6, moves)  # one home each, none moved
 
 
 def test_a_cancelled_score_is_stopped_on_its_replica(fresh):

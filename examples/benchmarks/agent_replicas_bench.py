@@ -120,7 +120,7 @@ def run_cluster_row(
         evicted = sum(int(s["evicted_tokens_total"]) for s in stats.values())
         result = RowResult(sum(per_replica), evicted, *program_results(states, start),
                            makespan_s, 0, 0, 0, backend.retries)  # fmt: skip
-        return ClusterRow(result, cluster.router.program_moves, per_replica)
+        return ClusterRow(result, cluster.router.program_homes()[1], per_replica)
 
 
 def print_cell(batch: AgentBatch, unbounded: RowResult, rows: dict[str, ClusterRow], pool: int):

@@ -224,17 +224,11 @@ class Router:
         with self._lock:
             return {r: self._match_len(rep, ids, namespace) for r, rep in self._replicas.items()}
 
-    @property
-    def program_moves(self) -> int:
-        """Program turns routed away from the replica the program last ran on."""
+    def program_homes(self) -> tuple[int, int]:
+        """(programs whose home replica the router remembers, program turns routed away from
+        the replica the program last ran on)."""
         with self._lock:
-            return self._homes.moves
-
-    @property
-    def num_program_homes(self) -> int:
-        """Programs whose home replica the router remembers."""
-        with self._lock:
-            return len(self._homes)
+            return len(self._homes), self._homes.moves
 
     def tree(self, replica_id: ReplicaId) -> MirrorTree:
         """The event-fed tree of a replica (read it only while no events are applied)."""
