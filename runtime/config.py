@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from runtime.cache.eviction import EVICTION_POLICIES
 
@@ -192,6 +192,12 @@ class EngineConfig(BaseModel):
         description="how the model writes its reasoning: think (<think>...</think>), "
         "deepseek-r1 (the prompt opens the block) or none (default: read off the chat template)",
     )
+    gguf_blocks: bool = Field(
+        False,
+        description="decode rows of a GGUF model's Q8_0/Q4_1 weights run on their blocks, as "
+        "stored, through the native block GEMM; prefill keeps the dequantized weights (CPU "
+        "only; runtime/model/gguf_blocks.py)",
+    )
     adapt_cpu_threads: bool = Field(
         True,
         description="on CPU, run as many threads as other processes leave cores free "
@@ -236,6 +242,13 @@ class EngineConfig(BaseModel):
         if not _DEVICE_PATTERN.fullmatch(value):
             raise ValueError(f"unknown device {value!r}; choose from {DEVICES}")
         return value
+
+    @model_validator(mode="after")
+    def _blocks_on_cpu(self) -> EngineConfig:
+        # the block GEMM is a CPU kernel (AVX-512); on a GPU the flag would silently do nothing
+        if self.gguf_blocks and self.device != "cpu":
+            raise ValueError(f"gguf_blocks runs on the CPU only; device is {self.device!r}")
+        return self
 
     def num_kv_slots(self, kv_bytes_per_token: int) -> int:
         """Pool size in slots: max_kv_tokens, or kv_memory_fraction of available RAM up to

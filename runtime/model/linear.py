@@ -121,10 +121,18 @@ def native_panel_gemm(weight: torch.Tensor) -> Any | None:
 class Linear:
     """y = x @ weight.T + bias for x (num_tokens, in_features). `logits`: the LM head, whose
     rows (one per sequence, or a prompt's for its logprobs) take the panel GEMM in a
-    batch-invariant forward, however many."""
+    batch-invariant forward, however many. `blocks`: the same weight as GGUF Q8_0 / Q4_1 rows
+    (runtime/model/gguf_blocks.py); where the CPU runs the block GEMM, the panel rows go through
+    it on those bytes (activations as given: the panel's result up to summation order) and no
+    panel copy is kept."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, logits: bool = False
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        pack: bool,
+        logits: bool = False,
+        blocks: tuple[torch.Tensor, int] | None = None,
     ) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
@@ -132,7 +140,18 @@ class Linear:
         self.logits = logits
         self._native = native_panel_gemm(weight) if pack else None
         self._panel_rows = PANEL_MAX_ROWS[weight.dtype] if self._native is not None else 0
-        self.panels = self._native.panel_pack(weight) if self._native is not None else None
+        self.quant: tuple[torch.Tensor, int] | None = None  # (quant_pack's layout, GGML type)
+        if blocks is not None and self._native is not None and self._native.quant_gemm_supported():
+            raw, ggml_type = blocks
+            packed = self._native.quant_pack(
+                raw.reshape(-1), ggml_type, self.out_features, self.in_features
+            )
+            self.quant = (packed, ggml_type)
+        self.panels = None  # not built beside blocks: it would hold the weight a third time
+        if self._native is not None and self.quant is None:
+            self.panels = self._native.panel_pack(weight)
+        # the decode rows' GEMM: on the blocks where there are some, else on the panels
+        self._panel = self._block_gemm if self.quant is not None else self._panel_gemm
         # batch-size hint 8: a typical decode batch; any number of rows works
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 8) if pack else weight
 
@@ -155,8 +174,12 @@ class Linear:
         out[routes.dense] = self._dense(x[routes.dense])
         return out
 
-    def _panel(self, x: torch.Tensor) -> torch.Tensor:
+    def _panel_gemm(self, x: torch.Tensor) -> torch.Tensor:
         return self._native.panel_gemm(x, self.panels, self.bias, self.out_features)
+
+    def _block_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        packed, ggml_type = self.quant
+        return self._native.quant_gemm(x, packed, ggml_type, self.bias, self.out_features, False)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:

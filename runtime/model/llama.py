@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from runtime.model.arch import ModelArch
 from runtime.model.attention.base import AttentionBackend
 from runtime.model.batch import ForwardBatch
+from runtime.model.gguf_blocks import Blocks, fused_blocks
 from runtime.model.linear import Linear, packed_gemm_available
 from runtime.model.moe import load_feed_forward
 from runtime.model.pointwise import RopeTables, pointwise_ops
@@ -34,7 +35,10 @@ class LlamaModel:
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        blocks: dict[str, Blocks] | None = None,
     ) -> None:
+        """`blocks`: GGUF block bytes by checkpoint name (gguf_blocks.py) for the Linears whose
+        decode rows run on them; none: every Linear keeps the panel GEMM."""
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
@@ -62,14 +66,15 @@ class LlamaModel:
         # a query scale other than head_dim ** -0.5 applied to q, so backends keep theirs
         self._q_factor = arch.query_scale * arch.head_dim**0.5 if arch.query_scale else None
         self.layers = [
-            self._load_layer(i, weights, get, norm, pack) for i in range(arch.num_layers)
+            self._load_layer(i, weights, get, norm, pack, blocks or {})
+            for i in range(arch.num_layers)
         ]
         # (inverse frequencies, scale) per RoPE parameter set; None keys the only one
         self._rope_params = {t: arch.rope_inv_freq(t) for t in set(arch.rope_layer_types)}
         self._rope: dict[str | None, RopeTables] = {}
         self.ensure_rope(min(arch.max_context_len, 4096))
 
-    def _load_layer(self, i: int, weights, get, norm, pack: bool) -> dict:
+    def _load_layer(self, i: int, weights, get, norm, pack: bool, blocks: dict) -> dict:
         arch = self.arch
 
         def fused(prefix: str, fused_name: str, parts: tuple[str, ...]) -> torch.Tensor:
@@ -81,15 +86,19 @@ class LlamaModel:
         p = f"model.layers.{i}."
         attn = p + "self_attn."
         qkv_names = tuple(f"{x}_proj.weight" for x in "qkv")
+        qkv_blocks = fused_blocks(blocks, [attn + name for name in qkv_names])
+        o_name = attn + "o_proj.weight"
         qkv_bias = None
         if arch.qkv_bias:
             qkv_bias = fused(attn, "qkv_proj.bias", tuple(f"{x}_proj.bias" for x in "qkv"))
         layer = {
             "input_norm": norm(p + "input_layernorm.weight"),
             # (num_heads*head_dim + 2*num_kv_heads*head_dim, hidden)
-            "qkv": Linear(fused(attn, "qkv_proj.weight", qkv_names), qkv_bias, pack),
-            "o": Linear(get(attn + "o_proj.weight"), None, pack),
-            "mlp": load_feed_forward(arch, i, get, set(weights), pack, self.ops.act_mul),
+            "qkv": Linear(
+                fused(attn, "qkv_proj.weight", qkv_names), qkv_bias, pack, blocks=qkv_blocks
+            ),
+            "o": Linear(get(o_name), None, pack, blocks=blocks.get(o_name)),
+            "mlp": load_feed_forward(arch, i, get, set(weights), pack, self.ops.act_mul, blocks),
         }
         if arch.gemma_norms:  # sandwich: each block's output is normalized before its add
             layer["attn_out_norm"] = norm(p + "post_attention_layernorm.weight")

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.model.arch import ModelArch
+from runtime.model.gguf_blocks import Blocks, fused_blocks
 from runtime.model.linear import Linear
 
 Getter = Callable[[str], torch.Tensor]
@@ -70,17 +71,29 @@ class SparseMoE:
 
 
 def load_feed_forward(
-    arch: ModelArch, layer: int, get: Getter, names: set[str], pack: bool, act_mul: ActMul
+    arch: ModelArch,
+    layer: int,
+    get: Getter,
+    names: set[str],
+    pack: bool,
+    act_mul: ActMul,
+    blocks: dict[str, Blocks] | None = None,
 ) -> GatedMLP | SparseMoE:
-    """Layer `layer`'s feed-forward block from its checkpoint tensors."""
+    """Layer `layer`'s feed-forward block from its checkpoint tensors; `blocks`: GGUF block
+    bytes by checkpoint name (gguf_blocks.py) for the dense MLP's decode rows."""
     p = f"model.layers.{layer}."
     if not arch.moe_layers[layer]:
+        blocks = blocks or {}
         if p + "mlp.gate_up_proj.weight" in names:  # Phi-3 stores it fused
             gate_up = get(p + "mlp.gate_up_proj.weight")
+            gate_up_blocks = None
         else:
-            gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-        down = Linear(get(p + "mlp.down_proj.weight"), None, pack)
-        return GatedMLP(Linear(gate_up, None, pack), down, act_mul)
+            parts = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+            gate_up = torch.cat([get(name) for name in parts])
+            gate_up_blocks = fused_blocks(blocks, parts)
+        down_name = p + "mlp.down_proj.weight"
+        down = Linear(get(down_name), None, pack, blocks=blocks.get(down_name))
+        return GatedMLP(Linear(gate_up, None, pack, blocks=gate_up_blocks), down, act_mul)
     block = p + ("block_sparse_moe." if p + "block_sparse_moe.gate.weight" in names else "mlp.")
     gate_up, down = _expert_weights(arch.num_experts, block + "experts.", get, names)
     return SparseMoE(

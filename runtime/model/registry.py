@@ -111,6 +111,13 @@ def resolve_model(name_or_path: str | os.PathLike, log=None) -> Path:
     return _fetch_and_convert(entry, folder, log or _log)
 
 
+def source_gguf(name: str) -> Path | None:
+    """The GGUF file a registry model was converted from, where it is still here (the downloads
+    folder or an installed wheel), else None (not a registry name, or the file is gone)."""
+    entry = MODELS.get(name)
+    return None if entry is None else _find_local_gguf(entry, cache_dir() / "downloads")
+
+
 def _fetch_and_convert(entry: RegistryEntry, folder: Path, log) -> Path:
     from runtime.model.loader import convert_gguf
 

@@ -14,6 +14,7 @@ from runtime.model.arch import ModelArch
 from runtime.model.attention import make_attention_backend
 from runtime.model.batch import ForwardBatch
 from runtime.model.cuda_graph import DecodeGraphs
+from runtime.model.gguf_blocks import model_blocks
 from runtime.model.linear import decode_shaped, routed_rows
 from runtime.model.llama import LlamaModel
 from runtime.model.loader import load_checkpoint
@@ -49,7 +50,8 @@ class ModelRunner:
         self.batch_invariant = config.batch_invariant
         self.dtype = parse_dtype(config.dtype)
         self.device = _checked_device(config.device)
-        self.model = LlamaModel(arch, weights, self.dtype, self.device)
+        blocks = model_blocks(config.model) if config.gguf_blocks else None
+        self.model = LlamaModel(arch, weights, self.dtype, self.device, blocks)
         # decode graphs on CUDA for dense models (the experts' routing syncs with the host)
         graphs = not config.disable_cuda_graph and self.device.type == "cuda"
         graphs = graphs and arch.num_experts == 0
