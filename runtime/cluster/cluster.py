@@ -188,17 +188,9 @@ class Cluster:
         """Pin a prefix on one replica; `replica_of_pin` sends its readers there."""
         rid = f"pin-route-{uuid.uuid4().hex[:12]}"
         program = hints.program_id if hints is not None else None  # the trunk goes home too
+        pin_args = (prefix_ids, namespace, hints)
         info, replica_id = self._call(
-            rid,
-            prefix_ids,
-            namespace,
-            prefer,
-            "pin",
-            prefix_ids,
-            namespace,
-            hints,
-            where=True,
-            program=program,
+            rid, prefix_ids, namespace, prefer, "pin", *pin_args, where=True, program=program
         )
         self.router.place_pin(info.pin_id, replica_id, prefix_ids, namespace)
         return ClusterPin(info, self._unpin)

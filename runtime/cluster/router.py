@@ -72,7 +72,7 @@ class Router:
         self.page_size = page_size
         self._replicas: dict[ReplicaId, _Replica] = {}
         self._rid_replica: dict[str, ReplicaId] = {}
-        self._pins: dict[str, tuple[ReplicaId, Hashable, tuple[int, ...]]] = {}
+        self._pin_replica: dict[str, ReplicaId] = {}  # pin id -> where (its prefix: `pinned`)
         self._homes = ProgramHomes()  # (namespace, program id) -> the replica it last ran on
         self._turn = itertools.count()
         self._lock = threading.Lock()
@@ -109,7 +109,8 @@ class Router:
             replica = self._replicas.pop(replica_id)
             for rid in replica.running:
                 del self._rid_replica[rid]
-            self._pins = {p: pin for p, pin in self._pins.items() if pin[0] != replica_id}
+            for pin_id in replica.pinned:
+                del self._pin_replica[pin_id]
             self._homes.drop_replica(replica_id)
             return list(replica.running)
 
@@ -138,9 +139,9 @@ class Router:
         program: Hashable = None,
     ) -> ReplicaId:
         """Pick a replica for a request and count it as running there until `finish(rid)`.
-        `prefer` (a placement's choice), if live, wins; else a live pin whose prefix the
-        request extends sends it to the pin's replica; else the policy decides, keeping the
-        request's `program` (its graph's program id) on its home (homes.py)."""
+        `prefer` (a placement's choice), if live, wins; else the policy decides, keeping the
+        request's `program` (its graph's program id) on its home (homes.py) or a request that
+        extends a live pin on the pin's replica (`_destination`)."""
         ids = tuple(token_ids)
         names: list[str] = []  # the prompt's chunks below the pool, and how many are on disk
         on_disk = 0  # probed outside the lock: it reads directory entries
@@ -195,22 +196,21 @@ class Router:
         """Record that a pin of `prefix_ids` lives on `replica_id`: requests that extend the
         prefix (its readers, e.g. a fork's branches) go there."""
         with self._lock:
-            self._pins[pin_id] = (replica_id, namespace, tuple(prefix_ids))
-            if replica_id in self._replicas:
+            if replica_id in self._replicas:  # (else it died meanwhile: its pins went too)
+                self._pin_replica[pin_id] = replica_id
                 self._replicas[replica_id].pinned[pin_id] = (namespace, tuple(prefix_ids))
 
     def release_pin(self, pin_id: str) -> None:
         """Forget a released pin."""
         with self._lock:
-            pin = self._pins.pop(pin_id, None)
-            if pin is not None and pin[0] in self._replicas:
-                self._replicas[pin[0]].pinned.pop(pin_id, None)
+            replica_id = self._pin_replica.pop(pin_id, None)
+            if replica_id is not None:
+                del self._replicas[replica_id].pinned[pin_id]
 
     def replica_of_pin(self, pin_id: str) -> ReplicaId | None:
         """Where a pin lives, or None if unknown (released, or its replica died)."""
         with self._lock:
-            pin = self._pins.get(pin_id)
-            return pin[0] if pin is not None else None
+            return self._pin_replica.get(pin_id)
 
     # ---------------------------------------------------------------- reads
     def loads(self) -> dict[ReplicaId, int]:
@@ -301,10 +301,11 @@ class Router:
     def _pin_reader_replica(self, ids: tuple[int, ...], namespace: Hashable) -> ReplicaId | None:
         """The replica of the longest live pin whose prefix `ids` extends (None: none)."""
         best, best_len = None, 0
-        for replica_id, pin_ns, prefix in self._pins.values():
-            if pin_ns == namespace and best_len < len(prefix) <= len(ids):
-                if ids[: len(prefix)] == prefix:
-                    best, best_len = replica_id, len(prefix)
+        for replica_id, replica in self._replicas.items():
+            for pin_ns, prefix in replica.pinned.values():
+                if pin_ns == namespace and best_len < len(prefix) <= len(ids):
+                    if ids[: len(prefix)] == prefix:
+                        best, best_len = replica_id, len(prefix)
         return best
 
     def _host_reach(self, replica: _Replica, match_len: int, names: list[str]) -> int:

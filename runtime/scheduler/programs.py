@@ -16,9 +16,9 @@ tier (host memory, disk) an evicted path is loaded back, not recomputed: its pro
 
 Which waiting program enters first: higher GraphHints.priority, then least attained service
 (tokens computed for the program so far along its longest path; Autellix's PLAS and ATLAS,
-program_service.py), then the oldest; one that has waited
-STARVATION_S enters before any that has not. Programs enter in that order: the first that does
-not fit holds the rest, so a large program is not passed forever by small ones.
+program_service.py), then the oldest; one that has waited STARVATION_S enters before any that
+has not. Programs enter in that order: the first that does not fit holds the rest, so a large
+program is not passed forever by small ones.
 
 Waiting is priced: when nothing runs and every program in is paused on its tools, a waiting
 program enters anyway if recomputing the kept KV it would evict (the engine's measured cost per
@@ -270,7 +270,4 @@ class NoPrograms:
         pass
 
     def stats(self) -> dict[str, float]:
-        return {
-            "program_kept_lost_tokens_total": 0,
-            "program_headroom_tokens": 0.0,
-        }
+        return {"program_kept_lost_tokens_total": 0, "program_headroom_tokens": 0.0}
