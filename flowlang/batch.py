@@ -13,7 +13,7 @@ from typing import Any
 from flowlang.backends.base import Backend, BatchInstance, BatchPlan, PinLease, PlacedGroup
 from flowlang.errors import InstanceError
 from flowlang.graph import RequestGraph
-from runtime.prefix import common_prefix_len, union_prefix_tokens
+from runtime.prefix import shared_prefixes, union_prefix_tokens
 
 # runs one instance (its arguments) on a backend and returns its state
 RunOne = Callable[[Mapping[str, Any], Backend], Any]
@@ -39,6 +39,7 @@ class BatchRun:
     min_shared_tokens: int
     max_workers: int
     progress: Any = None  # a tqdm bar, or None
+    on_result: Callable[[int, Any], None] = lambda index, state: None  # each state as it ends
 
     def execute(self, plan: BatchPlan) -> list:
         """Every group of `plan` at once; results (a state or an InstanceError) in batch order."""
@@ -70,6 +71,7 @@ class BatchRun:
                     position, index = futures[future]
                     try:
                         results[index] = future.result()
+                        self.on_result(index, results[index])
                     except Exception as err:  # noqa: BLE001 - reported per instance
                         results[index] = InstanceError(index, err, traceback.format_exc())
                     pins.finished(position)
@@ -101,16 +103,8 @@ class SharedPrefixPins:
     ) -> None:
         self.backend = backend
         self.namespace = namespace
-        ordered = sorted((tuple(p), i) for i, p in enumerate(prompts) if p)
-        prefixes: set[tuple[int, ...]] = set()
-        for (a, _), (b, _) in zip(ordered, ordered[1:], strict=False):
-            shared = common_prefix_len(a, b)
-            if shared >= min_tokens:
-                prefixes.add(a[:shared])
-        self.pins = [
-            _Pin(prefix, {i for p, i in ordered if p[: len(prefix)] == prefix})
-            for prefix in sorted(prefixes, key=len)
-        ]
+        found = shared_prefixes(prompts, min_tokens)
+        self.pins = [_Pin(prefix, readers) for prefix, readers in found]
 
     def acquire(self, pool: Executor) -> None:
         """Prefill and lock every shared prefix (concurrently; each is computed once)."""

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
+from flowlang.batch_command import add_batch
 from flowlang.serve_options import (
     add_cluster_options,
     add_engine_fields,
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         dest="command", required=True, title="commands", metavar="COMMAND"
     )
     add_serve(commands)
+    add_batch(commands)
     add_models(commands)
     add_plugins(commands)
     args = parser.parse_args(argv)
@@ -122,14 +124,24 @@ def add_serve(commands: Commands) -> None:
     add_listen_options(server)
     add_request_limits(server)
     add_cluster_options(serve.add_argument_group("replicas (Ray)"))
+    serve.add_argument(
+        "--program",
+        action="append",
+        default=[],
+        metavar="MODULE[:NAME]",
+        help="serve a flowlang program at /v1/flowlang/programs/NAME (all of a module's "
+        "without :NAME); repeatable",
+    )
     serve.set_defaults(handler=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until interrupted: settings checked and the port bound before the model loads."""
+    from flowlang.program_routes import load_programs, program_extension
     from runtime.server.listen import bind_socket  # torch-free: a busy port fails in a second
 
     config = engine_config(**engine_settings(args))
+    extensions = [program_extension(load_programs(args.program))] if args.program else []
     api_keys = (*args.api_key, *read_keys(args.api_key_file, "FLOWLANG_API_KEYS"))
     admin_keys = read_keys(args.admin_key_file, "FLOWLANG_ADMIN_KEYS")
     sock = bind_socket(args.host, args.port)
@@ -153,6 +165,7 @@ def run_serve(args: argparse.Namespace) -> int:
         head_timeout_s=args.head_timeout,
         request_timeout_s=args.request_timeout,
         drain_timeout=args.drain_timeout,
+        batch_dir=args.batch_dir,
     )
     if args.replicas > 1 or args.ray_address:
         from runtime.cluster.cluster import ClusterConfig
@@ -163,8 +176,8 @@ def run_serve(args: argparse.Namespace) -> int:
         cluster = ClusterConfig(
             args.replicas, router, args.ray_address, num_gpus_per_replica=args.gpus_per_replica
         )
-        return serve_cluster(config, cluster, settings, sock)
-    return serve(config, settings, sock)
+        return serve_cluster(config, cluster, settings, sock, extensions)
+    return serve(config, settings, sock, extensions)
 
 
 def engine_config(**fields: Any) -> EngineConfig:

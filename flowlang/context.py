@@ -6,11 +6,12 @@ import contextvars
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from flowlang.backends.base import Backend, PinLease
 from flowlang.errors import ExecutionError
 from runtime.protocol import SamplingParams
+from runtime.telemetry import NULL_SPAN
 
 if TYPE_CHECKING:
     from flowlang.executor import StreamExecutor
@@ -30,6 +31,9 @@ class RunContext:
     fork_count: int = 0
     executors: list[StreamExecutor] = field(default_factory=list)
     error: BaseException | None = None
+    # the run's span (flowlang/telemetry.py): current while the body runs, the parent of the
+    # root state's steps; NULL_SPAN with tracing off
+    span: Any = NULL_SPAN
 
     def next_fork_id(self) -> str:
         """A fork id unique in this run."""

@@ -26,7 +26,15 @@ from flowlang.ir import Fork, Gen, Join, Node, RoleBegin, RoleEnd, Select, Text
 from flowlang.rendezvous import END, Rendezvous
 from flowlang.results import appended_ids, gen_meta, output_format, read_output
 from flowlang.selection import score_choices
+from flowlang.telemetry import (
+    branch_span,
+    gen_request_attributes,
+    gen_result_attributes,
+    select_attributes,
+    step_span,
+)
 from runtime.protocol import GenerateRequest, GraphHints, SamplingParams
+from runtime.telemetry import NULL_SPAN
 
 _END = object()
 _REQUEST_NODES = (Gen, Select, Fork)  # nodes that send the engine a request on this sequence
@@ -58,6 +66,10 @@ class StreamExecutor:
         self.feed = TextFeed()  # everything appended, for `s.text_iter()`
         self.forks: dict[str, ForkRecord] = {}
         self.error: BaseException | None = None
+        # what its steps' spans nest under: the run's, or (a fork branch) its own, which is
+        # ended when the branch closes (flowlang/telemetry.py; NULL_SPAN with tracing off)
+        self.span: Any = ctx.span
+        self._branch_span: Any = NULL_SPAN
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0
         self._num_queued_requests = 0  # gen/select/fork nodes submitted and not yet run
@@ -79,6 +91,12 @@ class StreamExecutor:
             self.content = content
             self.feed.put(content.text)
         self._started.set()
+
+    def trace_under(self, parent: Any, fork: Fork) -> None:
+        """A branch's steps nest under a span of its own, child of `parent` (the span of the
+        state that forked it), ended when the branch closes."""
+        self._branch_span = branch_span(parent, self.branch_id, fork.fork_id, fork.num_branches)
+        self.span = self._branch_span
 
     def submit(self, node: Node) -> None:
         """Queue a node for the worker; returns at once."""
@@ -162,6 +180,7 @@ class StreamExecutor:
         """End the worker once it has run what is queued."""
         self._started.set()
         self._queue.put(_END)
+        self._branch_span.end()  # after its join (or the run's end): its work is done
 
     def wake_all(self) -> None:
         """Unblock readers and let the queue drain (after a failure in the run)."""
@@ -191,13 +210,17 @@ class StreamExecutor:
             self.renderer.apply(self.content, node)
             self.feed.put(self.content.text[start:])
         elif isinstance(node, Gen):
-            self._gen(node)
+            with step_span(self.span, "gen", node.name, self.branch_id) as span:
+                self._gen(node, span)
         elif isinstance(node, Select):
-            self._select(node)
+            with step_span(self.span, "select", node.name, self.branch_id) as span:
+                self._select(node, span)
         elif isinstance(node, Fork):
             self._fork(node)
         elif isinstance(node, Join):
-            self._join(node)
+            with step_span(self.span, "join", None, self.branch_id) as span:
+                span.set_attributes({"flowlang.fork.id": node.fork_id})
+                self._join(node)
         else:
             raise ProgramError(f"unknown node {node!r}")
 
@@ -250,7 +273,7 @@ class StreamExecutor:
         except ValueError as err:
             raise ProgramError(f"gen({node.name!r}) with the run's sampling: {err}") from err
 
-    def _gen(self, node: Gen) -> None:
+    def _gen(self, node: Gen, span: Any) -> None:
         if not self.content.ids:
             raise ProgramError(f"gen({node.name!r}) needs a prompt: add text first")
         if self.upstream is not None:
@@ -269,6 +292,7 @@ class StreamExecutor:
             hints=self._hints(next_turn_after_s, waits_on_tools),
             namespace=self.ctx.namespace,
         )
+        span.set_attributes(gen_request_attributes(request, self.ctx.backend))
         handle = self.ctx.backend.generate(request)
         stream = self.rendezvous.deltas(node.name) if node.name is not None else queue.Queue()
         streamed = ""
@@ -278,6 +302,7 @@ class StreamExecutor:
             streamed += delta
         result = handle.result()
         stream.put(END)
+        span.set_attributes(gen_result_attributes(result))
         if result.finish_reason == "error":
             raise ExecutionError(f"gen({node.name!r}) failed: {result.error}")
         if result.text.startswith(streamed):  # the deltas fed so far, and what they held back
@@ -295,7 +320,7 @@ class StreamExecutor:
             self._define(node.reasoning_var, meta.get("reasoning"), meta)
         self._define(node.name, value, meta)
 
-    def _select(self, node: Select) -> None:
+    def _select(self, node: Select, span: Any) -> None:
         if not self.content.ids:
             raise ProgramError(f"select({node.name!r}) needs a prompt: add text first")
         if self.upstream is not None:
@@ -304,6 +329,7 @@ class StreamExecutor:
             self.ctx.backend, self.content, node, self._hints(), self.ctx.namespace
         )
         chosen = node.choices[decision.index]
+        span.set_attributes(select_attributes(len(node.choices), decision.index))
         self.content.append(chosen, choice_ids[decision.index])
         self.feed.put(chosen)
         self._define(node.name, chosen, meta)
@@ -315,6 +341,7 @@ class StreamExecutor:
             # prefilled once and locked while the branches run, from their first request on
             record.prefix = (list(self.content.ids), self._hints())
         for branch in record.branches:
+            branch.trace_under(self.span, node)
             branch.start(self.content.copy())
 
     def _join(self, node: Join) -> None:

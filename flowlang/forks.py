@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from flowlang.backends.base import PinLease
 from flowlang.context import RunContext
+from flowlang.telemetry import pin_span
 from runtime.protocol import GraphHints
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ class ForkRecord:
             ids, hints = self.prefix
             self.prefix = None
             # an engine without a prefix cache answers at once, computing and holding nothing
-            self.pin = ctx.backend.pin(ids, ctx.namespace, hints)
+            with pin_span(len(ids)):  # under the step whose request needed it
+                self.pin = ctx.backend.pin(ids, ctx.namespace, hints)
             with ctx.lock:
                 ctx.pins.append(self.pin)  # released at join, or when the run ends

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -12,11 +13,13 @@ from typing import Any
 from flowlang.backends import get_default_backend
 from flowlang.backends.base import Backend
 from flowlang.batch import BatchRun, batch_instance
+from flowlang.batch_results import BatchResults, NoResults, RecordedRun
 from flowlang.context import RunContext, body_ended, body_of, current_run
 from flowlang.errors import InstanceError, ProgramError
 from flowlang.executor import StreamExecutor
 from flowlang.graph import RequestGraph
 from flowlang.state import ProgramState
+from flowlang.telemetry import program_span
 from flowlang.tracing import trace
 from runtime.protocol import SamplingParams
 
@@ -85,18 +88,19 @@ class Program:
     ) -> ProgramState:
         """`await program.arun(...)`: native async programs run on the caller's event loop."""
         ctx, state = self._start(backend, namespace, priority, sampling)
-        try:
-            token = body_of(ctx)
+        with ctx.span:  # current in this task while the body runs; ends once all is closed
             try:
-                result = self.fn(state, *args, **kwargs)
-                if inspect.isawaitable(result):
-                    result = await result
+                token = body_of(ctx)
+                try:
+                    result = self.fn(state, *args, **kwargs)
+                    if inspect.isawaitable(result):
+                        result = await result
+                finally:
+                    body_ended(token)
+                state.return_value = result
+                await asyncio.to_thread(ctx.sync_all)
             finally:
-                body_ended(token)
-            state.return_value = result
-            await asyncio.to_thread(ctx.sync_all)
-        finally:
-            ctx.close_all()
+                ctx.close_all()
         return state
 
     def _start(
@@ -119,24 +123,26 @@ class Program:
         ctx = RunContext(
             backend or get_default_backend(), namespace, priority=priority, sampling=sampling
         )
+        ctx.span = program_span(self.name, ctx)  # the caller's current span is its parent
         root = StreamExecutor(ctx)
         root.start()
         return ctx, self.state_type(root)
 
     def _finish(self, ctx: RunContext, state: ProgramState, args: tuple, kwargs: dict) -> None:
         """Call the body (appending nodes), then wait for every state of the run."""
-        try:
-            token = body_of(ctx)
+        with ctx.span:  # current on the body's thread; records a failure; ends after close_all
             try:
-                result = self.fn(state, *args, **kwargs)
-                if inspect.isawaitable(result):
-                    result = asyncio.run(_awaited(result))
+                token = body_of(ctx)
+                try:
+                    result = self.fn(state, *args, **kwargs)
+                    if inspect.isawaitable(result):
+                        result = asyncio.run(_awaited(result))
+                finally:
+                    body_ended(token)
+                state.return_value = result
+                ctx.sync_all()
             finally:
-                body_ended(token)
-            state.return_value = result
-            ctx.sync_all()
-        finally:
-            ctx.close_all()
+                ctx.close_all()
 
     def compile(self, *args: Any, backend: Backend | None = None, **kwargs: Any) -> RequestGraph:
         """Trace without generating: the request graph, its static prompts and prefix tree."""
@@ -153,28 +159,50 @@ class Program:
         namespace: str | None = None,
         min_shared_tokens: int = 32,
         sampling: SamplingParams | Mapping[str, Any] | None = None,
-    ) -> list[ProgramState | InstanceError]:
+        results: str | os.PathLike | None = None,
+    ) -> list[ProgramState | InstanceError | RecordedRun]:
         """Run many instances concurrently. Every instance is compiled first and the shared
         prefixes of the whole batch are pinned (each prefilled once); a pin is released when
         the last instance that reads it finishes. A failing instance yields an InstanceError
         (with its traceback) in its place; the others run to completion. `sampling` is each
         run's (see `run`). The backend places the compiled instances (`Backend.plan_batch`;
         ClusterBackend: instances sharing the deepest prefixes on the same replica), and each
-        group's shared prefixes are pinned where it runs."""
+        group's shared prefixes are pinned where it runs.
+
+        `results`: a file each finished instance is appended to as it ends (durable); a rerun
+        with the same file runs only the instances not in it, and gives back the others as
+        RecordedRun (their variables and return value read back)."""
         outer = current_run()
         backend = backend or (outer.backend if outer is not None else get_default_backend())
-        instances = [batch_instance(self.compile(backend=backend, **dict(a))) for a in batch]
+        recorded = BatchResults(results, self.name, batch) if results is not None else NoResults()
+        done = [recorded.recorded(i) for i in range(len(batch))]
+        todo = [i for i, run in enumerate(done) if run is None]
+        instances = [batch_instance(self.compile(backend=backend, **dict(batch[i]))) for i in todo]
         plan = backend.plan_batch(instances, namespace)
 
         def run_one(args: Mapping[str, Any], on: Backend) -> ProgramState:
             return self.run(backend=on, namespace=namespace, sampling=sampling, **args)
 
-        bar = _progress_bar(len(batch), self.name) if progress else None
+        def finished(position: int, state: Any) -> None:
+            recorded.record(todo[position], state)
+
+        bar = _progress_bar(len(todo), self.name) if progress else None
+        run = BatchRun(
+            [batch[i] for i in todo],
+            instances,
+            run_one,
+            namespace,
+            min_shared_tokens,
+            max_workers,
+            bar,
+            finished,
+        )
         try:
-            return BatchRun(
-                batch, instances, run_one, namespace, min_shared_tokens, max_workers, bar
-            ).execute(plan)
+            for i, state in zip(todo, run.execute(plan), strict=True):
+                done[i] = state
+            return done
         finally:
+            recorded.close()
             if bar is not None:
                 bar.close()
 

@@ -144,7 +144,8 @@ def add_listen_options(parser: Options) -> None:
 
 
 def add_request_limits(parser: Options) -> None:
-    """How much one request may send, and how long it, a pin and the shutdown may take."""
+    """How much one request may send, how long it, a pin and the shutdown may take, and where
+    the Batch API keeps what it was sent."""
     parser.add_argument(
         "--max-body-bytes",
         type=_positive(int),
@@ -178,6 +179,14 @@ def add_request_limits(parser: Options) -> None:
         help="on SIGTERM or SIGINT: seconds for running requests to finish while new ones get "
         "503; those still running then get a 503 (or a stream's error frame), and it exits 0",
         allow_zero=True,
+    )
+    parser.add_argument(
+        "--batch-dir",
+        default=None,
+        metavar="DIR",
+        help="where /v1/files and /v1/batches keep uploads, batches and their results; an "
+        "unfinished batch resumes when a server starts on the same DIR (default: "
+        "$FLOWLANG_CACHE_DIR/batches, else ~/.cache/flowlang/batches)",
     )
 
 

@@ -22,7 +22,9 @@ import pydantic
 from pydantic import BaseModel
 
 from flowlang.errors import InvalidOutputError, ProgramError
+from flowlang.telemetry import tool_span
 from runtime.protocol import TOOL_NAME_PATTERN, ToolCall, ToolSpec
+from runtime.telemetry import tracer
 
 MAX_TOOL_THREADS = 16  # calls of one round run at once, up to this many
 
@@ -210,11 +212,15 @@ def run_calls(calls: Sequence[Call]) -> list[ToolRun]:
     """Run `calls` at once on a thread pool (the calls of one round are independent); the
     outcomes in call order, a raised exception kept as the outcome's error."""
 
+    parent = tracer().current_context()  # the pool's threads do not inherit it
+
     def run(call: Call) -> ToolRun:
-        try:
-            return ToolRun(call, call.run())
-        except Exception as err:  # noqa: BLE001 - the model reads the error, the program goes on
-            return ToolRun(call, error=err)
+        with tool_span(call.tool.name, call.id, parent) as span:
+            try:
+                return ToolRun(call, call.run())
+            except Exception as err:  # noqa: BLE001 - the model reads the error, the program goes on
+                span.record_error(err)
+                return ToolRun(call, error=err)
 
     if len(calls) <= 1:
         return [run(c) for c in calls]

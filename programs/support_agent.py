@@ -59,9 +59,13 @@ def first_turn_ids(tokenizer, inputs: SupportAgentInputs) -> list[list[int]]:
     ]
 
 
-def make_inputs(tokenizer, size: str = "test", seed: int = 0) -> SupportAgentInputs:
-    """Deterministic W1 inputs; lengths are measured with `tokenizer` (SmolLM2's)."""
+def make_inputs(
+    tokenizer, size: str = "test", seed: int = 0, users: int | None = None, turns: int | None = None
+) -> SupportAgentInputs:
+    """Deterministic W1 inputs; lengths are measured with `tokenizer` (SmolLM2's). `users`
+    and `turns` replace the size's (a 1,000-user batch file, say)."""
     num_users, num_turns = SIZES[size]
+    num_users, num_turns = users or num_users, turns or num_turns
     count = token_counter(tokenizer)
     text = TextBuilder(seed, count)
     system = "You are the support agent of Northwind Goods. " + text.paragraph(SYSTEM_TOKENS - 12)
@@ -104,12 +108,48 @@ def _fewshot_block(text: TextBuilder, count) -> str:
 def support_agent(s, inputs: SupportAgentInputs, user: User, temperature: float = 0.0):
     """One customer's conversation: S, then F (or their retrieved notes), then T turns."""
     tail = user.rag_context if user.rag_context is not None else inputs.fewshot
-    s += system(inputs.system_prompt, "\n\n" + tail)  # two segments: S is shared by everyone
-    for turn, message in enumerate(user.messages):
+    _converse(s, inputs.system_prompt, tail, user.messages, inputs.reply_tokens, temperature)
+
+
+@program
+def support_conversation(
+    s,
+    system_prompt: str,
+    context: str,
+    messages: list[str],
+    reply_tokens: int = REPLY_TOKENS,
+    temperature: float = 0.0,
+):
+    """W1's conversation from JSON arguments (a batch file's line): S, then the few-shot block
+    or the customer's notes (`context`), then a turn per message."""
+    _converse(s, system_prompt, context, messages, reply_tokens, temperature)
+
+
+def _converse(s, system_prompt, context, messages, reply_tokens, temperature) -> None:
+    s += system(system_prompt, "\n\n" + context)  # two segments: S is shared by everyone
+    for turn, message in enumerate(messages):
         s += user_message(message)
-        s += assistant(
-            gen(f"reply_{turn}", max_new_tokens=inputs.reply_tokens, temperature=temperature)
-        )
+        s += assistant(gen(f"reply_{turn}", max_new_tokens=reply_tokens, temperature=temperature))
+
+
+def batch_lines(inputs: SupportAgentInputs, temperature: float = 0.0) -> list[dict]:
+    """W1 as batch file lines for `flowlang batch --program programs.support_agent`: one
+    support_conversation per user."""
+    return [
+        {
+            "custom_id": f"user-{i}",
+            "method": "POST",
+            "url": "/v1/flowlang/programs/support_conversation",
+            "body": {
+                "system_prompt": inputs.system_prompt,
+                "context": u.rag_context if u.rag_context is not None else inputs.fewshot,
+                "messages": list(u.messages),
+                "reply_tokens": inputs.reply_tokens,
+                "temperature": temperature,
+            },
+        }
+        for i, u in enumerate(inputs.users)
+    ]
 
 
 def batch_args(inputs: SupportAgentInputs, temperature: float = 0.0) -> list[dict]:

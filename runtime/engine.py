@@ -37,6 +37,7 @@ from runtime.scheduler.entries import ScheduledBatch, batch_of
 from runtime.scheduler.scheduler import Scheduler
 from runtime.scoring import Cancellation, ContinuationScorer
 from runtime.summary import EngineSummary
+from runtime.telemetry import score_attributes, tracer
 from runtime.verify import apply_logits
 
 T = TypeVar("T")
@@ -134,7 +135,10 @@ class Engine(EngineCommon):
         """Queue a request; returns at once. Invalid requests raise InvalidRequestError.
         With `loop`, the handle streams to `astream()` on that event loop."""
         self._check_open()
-        return self._in_flight.submit(request, loop)
+        flight = self._in_flight  # under the request's span (runtime/telemetry.py; off: none)
+        return tracer().traced_submit(
+            request, self.config.model, lambda: flight.submit(request, loop)
+        )
 
     def submit_many(self, requests: Sequence[GenerateRequest]) -> list[RequestHandle]:
         """Queue requests that arrive together: no step runs between two of them, so the
@@ -271,7 +275,10 @@ class Engine(EngineCommon):
 
     # ------------------------------------------------------------------ internals
     def _score_one(self, request: ScoreRequest, cancel: Cancellation | None) -> ScoreResult:
-        return self.scorer.score(request, cancel)
+        with tracer().start_span(
+            "flowlang.score", None, score_attributes(request, self.config.model)
+        ):
+            return self.scorer.score(request, cancel)
 
     def _run_in_loop(self, fn: Callable[[], Any]) -> None:
         self._check_open()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
+import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
@@ -34,6 +36,10 @@ class RequestHandle:
         self._deltas: queue.Queue = queue.Queue()
         self._adeltas: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
         self._read = False  # a chunk went to an async reader (set on the event loop)
+        # called with the result before any reader sees it (its trace span ends first)
+        self._on_deliver: list[Callable[[GenerateResult], None]] = []
+        self._delivered: GenerateResult | None = None
+        self._deliver_lock = threading.Lock()
 
     def result(self, timeout: float | None = None) -> GenerateResult:
         return self.future.result(timeout)
@@ -71,6 +77,16 @@ class RequestHandle:
     def cancel(self) -> None:
         self._cancel(self.rid)
 
+    def when_delivered(self, fn: Callable[[GenerateResult], None]) -> None:
+        """Call `fn(result)` as the result is delivered, before `result()` returns it to
+        anyone (at once if it already was)."""
+        with self._deliver_lock:
+            delivered = self._delivered
+            if delivered is None:
+                self._on_deliver.append(fn)
+                return
+        fn(delivered)
+
     def retract(self, timeout_s: float) -> bool:
         """Drop the chunks pushed so far, unless a reader took one: True if dropped (a replica
         died and the request runs again elsewhere: a reader then sees only the second run).
@@ -102,6 +118,14 @@ class RequestHandle:
 
     def deliver(self, result: GenerateResult) -> None:
         """End the stream and resolve the result."""
+        with self._deliver_lock:
+            self._delivered = result
+            hooks, self._on_deliver = self._on_deliver, []
+        for hook in hooks:
+            try:
+                hook(result)
+            except Exception:  # noqa: BLE001 - a hook (a trace) never keeps the result back
+                logging.getLogger(__name__).exception("a request's delivery hook failed")
         self._put(_DONE)
         self.future.set_result(result)
 

@@ -55,6 +55,36 @@ def union_prefix_tokens(
     return total
 
 
+def shared_prefixes(
+    prompts: Sequence[Sequence[int] | None], min_tokens: int
+) -> list[tuple[tuple[int, ...], set[int]]]:
+    """The branching points of the prompts' prefix tree worth pinning, shortest first, each with
+    the indices of the prompts that start with it: what a batch pins once and releases when the
+    last of its readers is done. None (an unknown prompt) reads nothing.
+
+    A branching point is the longest common prefix of two neighbours in sorted order; it is
+    kept when it adds at least `min_tokens` to the longest kept point it extends (a branch that
+    differs from its parent by a name's few tokens is not worth a pin of its own). Its readers
+    are a run of neighbours in sorted order, so the whole is O(n log n + points * n)."""
+    ordered = sorted((tuple(p), i) for i, p in enumerate(prompts) if p)
+    lcp = [common_prefix_len(a, b) for (a, _), (b, _) in zip(ordered, ordered[1:], strict=False)]
+    points = sorted({(n, k) for k, n in enumerate(lcp) if n >= min_tokens})
+    kept_len = [0] * len(ordered)  # per sorted position: the longest kept point it reads
+    found: dict[tuple[int, ...], set[int]] = {}
+    for length, k in points:
+        prefix = ordered[k][0][:length]
+        if prefix in found or length - kept_len[k] < min_tokens:
+            continue
+        lo, hi = k, k + 1  # the run of neighbours sharing `length` tokens around k
+        while lo > 0 and lcp[lo - 1] >= length:
+            lo -= 1
+        while hi < len(lcp) and lcp[hi] >= length:
+            hi += 1
+        kept_len[lo : hi + 1] = [length] * (hi + 1 - lo)
+        found[prefix] = {ordered[j][1] for j in range(lo, hi + 1)}
+    return sorted(found.items(), key=lambda item: len(item[0]))
+
+
 def prefill_lower_bound(
     prompts: Iterable[Sequence[int]],
     finished: Iterable[tuple[Sequence[int], Sequence[int]]] = (),

@@ -292,6 +292,9 @@ class GenerateResult(_Frozen):
     ttft_s: float | None = Field(
         None, description="seconds from submission to the first generated token"
     )
+    queue_wait_s: float | None = Field(
+        None, description="seconds from submission to its first admission (its queue wait)"
+    )
     completion_tokens: int
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[float | None] | None = None

@@ -24,9 +24,8 @@ def result_of(req: Req) -> GenerateResult:
         prompt_tokens=len(req.prompt_ids),
         cached_tokens=req.usage.cached_tokens or 0,
         loaded_tokens=req.usage.loaded_tokens or 0,
-        ttft_s=None
-        if req.usage.first_token_s is None
-        else req.usage.first_token_s - req.usage.submitted_s,
+        ttft_s=_since_submitted(req, req.usage.first_token_s),
+        queue_wait_s=_since_submitted(req, req.usage.admitted_s),
         completion_tokens=len(gen.output_ids),
         logprobs=logprobs,
         prompt_logprobs=req.logprobs.values if prompt_asked else None,
@@ -35,6 +34,11 @@ def result_of(req: Req) -> GenerateResult:
         error=req.error,
         error_kind=req.error_kind,
     )
+
+
+def _since_submitted(req: Req, when_s: float | None) -> float | None:
+    """Seconds from the request's submission to `when_s` (a time.monotonic()), if it came."""
+    return None if when_s is None else when_s - req.usage.submitted_s
 
 
 def stream_chunk_of(req: Req) -> StreamChunk:

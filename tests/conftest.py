@@ -281,7 +281,7 @@ class ServerThread:
     """`flowlang serve` in a background thread on a free loopback port; `wrap`, if given,
     wraps the ASGI app (to record what goes over the wire)."""
 
-    def __init__(self, engine, wrap=None, **settings) -> None:
+    def __init__(self, engine, wrap=None, extensions=(), **settings) -> None:
         import socket
         import threading
 
@@ -294,7 +294,7 @@ class ServerThread:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         self.engine = engine
-        self.app = create_app(engine, ServerSettings(port=port, **settings))
+        self.app = create_app(engine, ServerSettings(port=port, **settings), extensions)
         self.url = f"http://127.0.0.1:{port}"
         app = wrap(self.app) if wrap is not None else self.app
         # as `flowlang serve` runs it: the same protocol (request-head deadline)

@@ -248,7 +248,7 @@ def test_serve_cli_puts_replicas_on_gpus_as_asked(monkeypatch):
 
     seen = {}
 
-    def serve_cluster(config, cluster, settings, sock):
+    def serve_cluster(config, cluster, settings, sock, extensions):
         sock.close()  # bound by the CLI before anything starts
         seen.update(locals())
         return 0  # the exit status, as after a drained SIGTERM

@@ -102,6 +102,9 @@ TORCH_FREE_RUNTIME = {
     "runtime.constrain.tool_calls",
     "runtime.constrain.reasoning",
     "runtime.constrain.tool_prompt",
+    "runtime.telemetry",  # opentelemetry only when tracing is on (flowlang's program spans)
+    "runtime.batches.lines",  # run_batch(results=...) writes the batch file format
+    "runtime.batches.results_file",
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.prefix import prefill_lower_bound, union_prefix_tokens
+from runtime.prefix import prefill_lower_bound, shared_prefixes, union_prefix_tokens
 
 seqs = st.lists(st.lists(st.integers(0, 3), max_size=8), max_size=8)
 
@@ -44,3 +44,35 @@ def test_chapter_example():
     r2 = [*system, *fewshot, *range(6000, 6080)]
     r3 = [*system, *rag]
     assert union_prefix_tokens([r1, r2, r3]) == 4343
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.one_of(st.none(), st.lists(st.integers(0, 2), max_size=10)), max_size=10),
+    st.integers(1, 4),
+)
+def test_shared_prefixes_are_branching_points_with_exactly_their_readers(prompts, min_tokens):
+    """Against brute force: each point is two prompts' longest common prefix, read by exactly
+    the prompts that start with it, at least `min_tokens` past the longest point it extends;
+    and every pair's common prefix that long past its kept ancestors is kept."""
+    found = shared_prefixes(prompts, min_tokens)
+    kept = [prefix for prefix, _ in found]
+    assert [len(p) for p in kept] == sorted(len(p) for p in kept) and len(set(kept)) == len(kept)
+    real = [(i, tuple(p)) for i, p in enumerate(prompts) if p]
+    lcps = set()
+    for i, a in real:
+        for j, b in real:
+            if i != j:
+                n = 0
+                while n < min(len(a), len(b)) and a[n] == b[n]:
+                    n += 1
+                lcps.add(a[:n])
+    for prefix, readers in found:
+        assert prefix in lcps and len(prefix) >= min_tokens
+        assert readers == {i for i, p in real if p[: len(prefix)] == prefix}
+        parents = [len(q) for q in kept if len(q) < len(prefix) and prefix[: len(q)] == q]
+        assert len(prefix) - max(parents, default=0) >= min_tokens
+    for lcp in lcps:
+        parents = [len(q) for q in kept if len(q) <= len(lcp) and lcp[: len(q)] == q]
+        if len(lcp) - max(parents, default=0) >= min_tokens:
+            assert lcp in kept, (lcp, kept)

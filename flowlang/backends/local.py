@@ -42,6 +42,11 @@ class LocalBackend(Backend):
         """How the engine's model writes its reasoning, or None."""
         return self.engine.reasoning_format
 
+    @property
+    def model_name(self) -> str:
+        """The model the engine runs (as configured)."""
+        return self.engine.config.model
+
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 

@@ -16,6 +16,7 @@ import httpx
 from flowlang.backends.base import Backend
 from flowlang.chat import CHATML, ChatFormat
 from runtime.protocol import GenerateRequest, GenerateResult, GraphHints, ScoreRequest, ScoreResult
+from runtime.telemetry import tracer
 
 
 class RemoteError(RuntimeError):
@@ -29,12 +30,15 @@ class RemoteHandle:
         self._backend = backend
         self._request = request
         self._result: GenerateResult | None = None
+        # the caller's trace context now (W3C traceparent): the server's spans join its trace
+        self._trace_headers = tracer().carrier()
 
     def __iter__(self) -> Iterator[str]:
         if self._result is not None:
             return
         body = self._request.model_dump(mode="json")
-        with self._backend.client.stream("POST", "/v1/flowlang/generate", json=body) as response:
+        client, headers = self._backend.client, self._trace_headers
+        with client.stream("POST", "/v1/flowlang/generate", json=body, headers=headers) as response:
             _check(response, read=True)
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -102,6 +106,11 @@ class RemoteBackend(Backend):
         )
         self._renewer.start()
 
+    @property
+    def model_name(self) -> str | None:
+        """The model the server runs (its /v1/flowlang/info)."""
+        return self.info.get("model")
+
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         key = (text, add_special_tokens)
         with self._lock:
@@ -124,7 +133,8 @@ class RemoteBackend(Backend):
         return RemoteHandle(self, request)
 
     def score(self, request: ScoreRequest) -> ScoreResult:
-        response = self.client.post("/v1/flowlang/score", json=request.model_dump(mode="json"))
+        body, headers = request.model_dump(mode="json"), tracer().carrier()
+        response = self.client.post("/v1/flowlang/score", json=body, headers=headers)
         return ScoreResult.model_validate(_check(response).json())
 
     def pin(
@@ -136,7 +146,8 @@ class RemoteBackend(Backend):
             "hints": (hints or GraphHints()).model_dump(),
             "lease_seconds": self.lease_seconds,
         }
-        info = _check(self.client.post("/v1/flowlang/pin", json=body)).json()
+        headers = tracer().carrier()
+        info = _check(self.client.post("/v1/flowlang/pin", json=body, headers=headers)).json()
         pin = RemotePin(self, info["pin_id"], info)
         with self._lock:
             self._pins[pin.pin_id] = pin

@@ -44,6 +44,7 @@ from runtime.protocol import (
 from runtime.results import error_result
 from runtime.scoring import Cancellation
 from runtime.summary import EngineSummary
+from runtime.telemetry import tracer
 
 EVENT_WAIT_S = 1.0  # a follower's long poll returns at the first event, else after this
 REJOIN_POLL_S = 0.5  # how often a dead replica is asked whether Ray restarted it
@@ -155,7 +156,8 @@ class Cluster:
         replica dies after some chunks, `retract()` is asked to take them back: True (nobody
         read them) runs the request again elsewhere, False (or no `retract`) ends it with an
         error result."""
-        return self._executor.submit(self._generate, request, prefer, on_chunk, retract)
+        carrier = tracer().carrier()  # the caller's trace goes with it to the replica's span
+        return self._executor.submit(self._generate, request, prefer, on_chunk, retract, carrier)
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         """Run requests concurrently; results in order."""
@@ -200,7 +202,7 @@ class Cluster:
         return self.router.replica_of_pin(pin_id)
 
     def _generate(
-        self, request: GenerateRequest, prefer: int | None, on_chunk, retract
+        self, request: GenerateRequest, prefer: int | None, on_chunk, retract, carrier
     ) -> GenerateResult:
         ids, rid = request.input_ids or [], request.rid
         method = "generate" if on_chunk is None else "generate_stream"
@@ -212,6 +214,7 @@ class Cluster:
                 prefer,
                 method,
                 request,
+                carrier,
                 on_chunk=on_chunk,
                 retract=retract,
                 program=request.hints.program_id,

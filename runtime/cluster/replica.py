@@ -20,6 +20,7 @@ from runtime.handles import PinHandle
 from runtime.protocol import GenerateRequest, GenerateResult, GraphHints, PinInfo, ScoreRequest
 from runtime.scoring import Cancellation
 from runtime.summary import EngineSummary
+from runtime.telemetry import tracer
 
 ACTOR_MAX_CONCURRENCY = 64  # calls in flight per replica (requests, polls, health checks)
 
@@ -88,15 +89,22 @@ class Replica:
         if subscription is not None:
             subscription.close()
 
-    def generate(self, request: GenerateRequest) -> tuple[GenerateResult, int]:
-        """Run one request; also return the event seq that covers its insert into the tree."""
-        (result,) = self.engine.generate(request)
+    def generate(
+        self, request: GenerateRequest, carrier: dict[str, str] | None = None
+    ) -> tuple[GenerateResult, int]:
+        """Run one request; also return the event seq that covers its insert into the tree.
+        `carrier`: the caller's trace context (W3C headers), its span's parent here."""
+        with tracer().attached(carrier):
+            (result,) = self.engine.generate(request)
         return result, self._subscription.last_seq
 
-    def generate_stream(self, request: GenerateRequest) -> Iterator[tuple[str, Any]]:
+    def generate_stream(
+        self, request: GenerateRequest, carrier: dict[str, str] | None = None
+    ) -> Iterator[tuple[str, Any]]:
         """Run one request, yielding ("chunk", StreamChunk) as its tokens come (a Ray
         generator: each reaches the caller at once), then ("result", (result, event seq))."""
-        handle = self.engine.submit(request)
+        with tracer().attached(carrier):
+            handle = self.engine.submit(request)
         for chunk in handle.chunks():
             yield "chunk", chunk
         yield "result", (handle.result(), self._subscription.last_seq)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 
 from runtime.cluster.cluster import GCS_LOST_GRACE_S, Cluster, ClusterConfig
 from runtime.cluster.front import ClusterEngine
 from runtime.config import EngineConfig
+from runtime.server.extensions import AppExtension
 from runtime.server.state import ServerSettings
 
 
@@ -15,6 +17,7 @@ def serve_cluster(
     cluster_config: ClusterConfig,
     settings: ServerSettings,
     sock: socket.socket | None = None,
+    extensions: Sequence[AppExtension] = (),
 ) -> int:
     """Start (or join) Ray, start the replicas, serve until SIGTERM or SIGINT, drain, then stop
     them; return the exit status. If Ray's control store is lost, the server drains (within
@@ -38,6 +41,7 @@ def serve_cluster(
             sock,
             fatal=lambda: front.cluster.control_lost,
             fatal_grace_s=GCS_LOST_GRACE_S,
+            extensions=extensions,
         )
     finally:
         front.close()

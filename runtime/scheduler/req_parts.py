@@ -64,9 +64,10 @@ class QueuePlace:
 class ReqUsage:
     """What a request saved and when it was served: its prompt tokens not computed at its
     first admission (cached in the pool, or of those loaded from the lower tiers), and its
-    submission and first-token times (time.monotonic())."""
+    submission, first admission and first-token times (time.monotonic())."""
 
     submitted_s: float = field(default_factory=time.monotonic)
+    admitted_s: float | None = None  # first set RUNNING (Req.status): its queue wait's end
     first_token_s: float | None = None
     cached_tokens: int | None = None  # at first admission; None before it
     loaded_tokens: int | None = None  # ... of those, loaded from host memory or disk

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -57,7 +58,6 @@ class Req:
         self.namespace = namespace
         self.hints = hints
         self.arrival = arrival
-        self.status = ReqStatus.WAITING
         self.logprobs = PromptLogprobs.asked(
             len(prompt_ids), logprob_start, gen.params.top_logprobs, keep_last_logprobs
         )
@@ -73,6 +73,18 @@ class Req:
         self.usage = ReqUsage()
         self.reuse = LogitReuse()
         self.spec: SpecState | None = None  # (drafts.py)
+        self._status = ReqStatus.WAITING
+
+    @property
+    def status(self) -> ReqStatus:
+        return self._status
+
+    @status.setter
+    def status(self, status: ReqStatus) -> None:
+        # the first admission ends the queue wait (results' queue_wait_s, the request's span)
+        if status is ReqStatus.RUNNING and self.usage.admitted_s is None:
+            self.usage.admitted_s = time.monotonic()
+        self._status = status
 
     # ------------------------------------------------------------------ tokens
     @property

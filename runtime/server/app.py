@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -23,7 +23,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.engine_api import EngineAPI
-from runtime.server import dashboard, events_api, flowlang_api, openai_api, ops, sglang_api
+from runtime.server import (
+    batches_api,
+    dashboard,
+    events_api,
+    files_api,
+    flowlang_api,
+    openai_api,
+    ops,
+    sglang_api,
+)
 from runtime.server.drain import FAIL_GRACE_S, Drain
 from runtime.server.errors import (
     AsciiJSONResponse,
@@ -33,7 +42,9 @@ from runtime.server.errors import (
     error_response,
     install_error_handlers,
 )
+from runtime.server.extensions import AppExtension, install_extensions
 from runtime.server.state import Server, ServerSettings
+from runtime.telemetry import TraceContextMiddleware
 
 __all__ = ["ServerSettings", "create_app", "serve"]
 
@@ -44,14 +55,20 @@ PROBE_PATHS = frozenset({"/health", "/metrics"})  # answered while draining, nev
 FOLLOWER_PATHS = frozenset({"/v1/flowlang/kv_events"})  # endless: they end when a drain begins
 
 
-def create_app(engine: EngineAPI, settings: ServerSettings | None = None) -> FastAPI:
-    """The app serving `engine`: every API, API keys, the body size limit, error mapping."""
+def create_app(
+    engine: EngineAPI,
+    settings: ServerSettings | None = None,
+    extensions: Sequence[AppExtension] = (),
+) -> FastAPI:
+    """The app serving `engine`: every API, API keys, the body size limit, error mapping, and
+    what `extensions` add (routes from a layer above, e.g. flowlang's programs)."""
     server = Server(engine, settings or ServerSettings())
     app = FastAPI(title="flowlang", lifespan=_lifespan, default_response_class=AsciiJSONResponse)
     app.state.server = server
     app.state.drain = Drain(server.settings.drain_timeout)
     app.state.tree_views = dashboard.TreeViews()
-    # the last added runs first: the guard, then the body limit right around the routes
+    # the last added runs first: the guard, the body limit, then a request's traceparent
+    app.add_middleware(TraceContextMiddleware)  # (runtime/telemetry.py; off: nothing done)
     app.add_middleware(
         BodyLimit,
         limit_bytes=server.settings.max_body_bytes,
@@ -59,14 +76,25 @@ def create_app(engine: EngineAPI, settings: ServerSettings | None = None) -> Fas
     )
     app.add_middleware(Guard, server=server, drain=app.state.drain)
     install_error_handlers(app, server)
-    for api in (ops, sglang_api, openai_api, flowlang_api, events_api, dashboard):
+    for api in (
+        ops,
+        sglang_api,
+        openai_api,
+        flowlang_api,
+        events_api,
+        dashboard,
+        files_api,
+        batches_api,
+    ):
         app.include_router(api.router)
+    install_extensions(app, engine, extensions)
     return app
 
 
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Expire pin leases while serving; at shutdown release every pin, drain, stop the engine."""
+    """Expire pin leases and resume unfinished batches while serving; at shutdown stop the
+    batches (they resume at the next start), release every pin, drain, stop the engine."""
     server: Server = app.state.server
     settings = server.settings
 
@@ -76,8 +104,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             server.leases.expire()
 
     task = asyncio.create_task(expire_leases())
+    batches_api.start_batches(app)
     yield
     task.cancel()
+    await batches_api.stop_batches(app, settings.drain_timeout)
     server.leases.release_all()
     await asyncio.to_thread(server.engine.close, settings.drain_timeout)
 
@@ -221,7 +251,10 @@ class BodyLimit(_HttpMiddleware):
 
 
 def serve(
-    engine_config: EngineConfig, settings: ServerSettings, sock: socket.socket | None = None
+    engine_config: EngineConfig,
+    settings: ServerSettings,
+    sock: socket.socket | None = None,
+    extensions: Sequence[AppExtension] = (),
 ) -> int:
     """Run the server until interrupted; then drain, release every pin, stop the engine;
     return the exit status (0 after a signal's drain).
@@ -240,7 +273,7 @@ def serve(
         sock.close()
         raise
     threading.Thread(target=_exit_if_engine_dies, args=(engine,), daemon=True).start()
-    return run_app(engine, settings, sock)
+    return run_app(engine, settings, sock, extensions=extensions)
 
 
 def run_app(
@@ -249,6 +282,7 @@ def run_app(
     sock: socket.socket | None = None,
     fatal: Callable[[], str | None] | None = None,
     fatal_grace_s: float | None = None,
+    extensions: Sequence[AppExtension] = (),
 ) -> int:
     """Serve `engine` (or anything with its surface: runtime.cluster.front) on `sock` (bound
     to settings' host and port if not given) until SIGTERM or SIGINT; then drain
@@ -261,7 +295,7 @@ def run_app(
 
     if sock is None:
         sock = bind_socket(settings.host, settings.port)
-    app = create_app(engine, settings)
+    app = create_app(engine, settings, extensions)
     config = uvicorn_config(
         app,
         settings,

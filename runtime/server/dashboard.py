@@ -1,10 +1,11 @@
 """The live page: `GET /dashboard` (one static HTML file, no build step) polls
 `GET /dashboard/data` for the engine's numbers, the top of the radix tree (drawn here, as SVG)
-and the pins (behind a router front: every replica's tree, each namespace tagged).
+and the pins (behind a router front: every replica's tree, each namespace tagged), and the
+running batches (lines done, failed, running, rate, ETA).
 
 Auth is the server's: every API key works, as a Bearer header or, so that a browser can log
 in, as the password of HTTP Basic auth (Guard in app.py). With API keys, a key that is not an
-admin key sees its own cache namespaces and pins only: nothing of another tenant's (no
+admin key sees its own cache namespaces, pins and batches only: nothing of another tenant's (no
 namespace, salt, pin id, token or count) is sent, only the server-wide totals /metrics has.
 """
 
@@ -21,6 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
 from runtime.cache.view import CacheView
+from runtime.server.batches_api import batch_rows
 from runtime.server.state import Server, ServerDep
 
 if TYPE_CHECKING:
@@ -61,11 +63,13 @@ async def dashboard_data(request: Request, server: ServerDep) -> dict:
     stats = await asyncio.to_thread(server.engine.stats)
     view = await request.app.state.tree_views.get(server.engine, stats)
     tree = _tree(_for_caller(view, request, server))
+    everyone = not server.keys or server.is_admin(request)
     return {
         "time_s": time.time(),
         "uptime_s": time.time() - server.started,
         "stats": {name: stats[name] for name in SHOWN_STATS if name in stats},
         "tree": tree,
+        "batches": await batch_rows(request.app, None if everyone else server.tenant(request)),
     }
 
 

@@ -4,6 +4,7 @@ score, and pins held as leases."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
@@ -94,7 +95,10 @@ async def score(body: ScoreRequest, request: Request, server: ServerDep):
     server.reserve_work(tenant, num_requests)
     cancel = Cancellation()  # a client that goes away stops its score, as it does a generate
     run = asyncio.get_running_loop().run_in_executor
-    work = asyncio.ensure_future(run(_SCORE_THREADS, _score_one, server.engine, body, cancel))
+    in_context = contextvars.copy_context().run  # the caller's trace (traceparent) goes along
+    work = asyncio.ensure_future(
+        run(_SCORE_THREADS, in_context, _score_one, server.engine, body, cancel)
+    )
     work.add_done_callback(lambda _: server.release_work(tenant, num_requests))
     return (await unless_gone(request, work, cancel.cancel)).model_dump()
 

@@ -1,8 +1,9 @@
-"""Engine stats as Prometheus text exposition."""
+"""Engine stats, HTTP counters and the Batch API's progress as Prometheus text exposition."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 
 COUNTERS = {
     "prefill_tokens_total",
@@ -74,3 +75,30 @@ def prometheus_text(
         f"flowlang_http_pins_expired_total {num_expired_pins}",
     ]
     return "\n".join(lines) + "\n"
+
+
+BATCH_STATUSES = (
+    "validating",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "failed",
+    "expired",
+    "cancelling",
+    "cancelled",
+)
+
+
+def batch_text(lines: Mapping[str, float], statuses: Counter) -> str:
+    """The Batch API's gauges: lines of the running batches by state (summed), the prefill
+    the engine saved since the earliest of them began, and stored batches by status."""
+    out = ["# TYPE flowlang_batch_lines gauge"]
+    for state in ("total", "completed", "failed", "running", "skipped"):
+        out.append(f'flowlang_batch_lines{{state="{state}"}} {float(lines[f"lines_{state}"])}')
+    out += [
+        "# TYPE flowlang_batch_prefill_saved_tokens gauge",
+        f"flowlang_batch_prefill_saved_tokens {float(lines['prefill_saved_tokens'])}",
+        "# TYPE flowlang_batches gauge",
+    ]
+    out += [f'flowlang_batches{{status="{s}"}} {statuses.get(s, 0)}' for s in BATCH_STATUSES]
+    return "\n".join(out) + "\n"

@@ -7,6 +7,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from runtime.server.batches_api import batch_metrics
 from runtime.server.metrics import prometheus_text
 from runtime.server.state import ServerDep
 
@@ -27,13 +28,14 @@ async def health(server: ServerDep, request: Request):
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-async def metrics(server: ServerDep):
-    """Engine stats and HTTP counters as Prometheus text."""
+async def metrics(server: ServerDep, request: Request):
+    """Engine stats, HTTP counters and batches' progress as Prometheus text."""
     stats = await asyncio.to_thread(server.engine.stats)
-    return prometheus_text(
+    text = prometheus_text(
         stats,
         server.http_requests,
         server.http_errors,
         len(server.leases),
         server.leases.num_expired,
     )
+    return text + await batch_metrics(request.app)

@@ -40,6 +40,7 @@ class ServerSettings:
     head_timeout_s: float = 10.0  # a request line + headers not whole by then: 408, closed
     request_timeout_s: float | None = None  # for requests that set no timeout_s (then a 408)
     max_kv_followers_per_key: int = 16  # open /v1/flowlang/kv_events streams (429 beyond)
+    batch_dir: str | None = None  # Batch API files and batches; default: <cache dir>/batches
 
 
 class Server:
