@@ -165,6 +165,20 @@ def vllm_worker(spec: dict, dtype: str) -> dict:
     return drive_rounds(tokenizer, convs, generate)
 
 
+def llama_cpp_run(binary: str, gguf: Path, spec: dict) -> dict:
+    """W1 on `llama-server` over HTTP (one slot per user, both threads; the same token-id
+    prompts, greedy, stopping at EOS or the reply length), in this process."""
+    from llama_cpp_bench import LlamaServer
+    from transformers import AutoTokenizer
+
+    convs = [Conversation(**c) for c in spec["conversations"]]
+    server = LlamaServer(binary, gguf, slots=len(convs), slot_tokens=4096)
+    try:
+        return drive_rounds(AutoTokenizer.from_pretrained(spec["model"]), convs, server.complete)
+    finally:
+        server.close()
+
+
 def w1_spec(num_users: int) -> dict:
     from programs import support_agent
     from runtime.model.loader import load_tokenizer
@@ -197,11 +211,14 @@ def summarize(runs: dict[tuple[str, str], list[dict]], dtypes: list[str]) -> Non
             f"| {engine} | {dtype} | {total:.1f} ({rounds}) | {out_tokens / total:.1f} "
             f"| {computed:,} |"
         )
+    peers = [(e, d) for e, d in walls if e == "llama.cpp"]
     for dtype in dtypes:
-        for other in ("flowlang (before)", "vllm"):
-            if ("flowlang", dtype) in walls and (other, dtype) in walls:
-                ratio = walls["flowlang", dtype] / walls[other, dtype]
-                same, total = agreement(runs["flowlang", dtype][0], runs[other, dtype][0])
+        for other, other_dtype in [("flowlang (before)", dtype), ("vllm", dtype), *peers]:
+            if ("flowlang", dtype) in walls and (other, other_dtype) in walls:
+                ratio = walls["flowlang", dtype] / walls[other, other_dtype]
+                theirs = runs[other, other_dtype][0]
+                same, total = agreement(runs["flowlang", dtype][0], theirs)
+                other = f"{other} {other_dtype}" if other == "llama.cpp" else other
                 print(
                     f"\n{dtype}: flowlang wall / {other} wall = {ratio:.2f}x; greedy outputs "
                     f"identical: {same}/{total}"
@@ -235,6 +252,14 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--baseline", type=Path, help="a checkout whose engine runs as 'before'")
+    parser.add_argument("--llama-server", help="llama.cpp's llama-server binary (a peer over HTTP)")
+    parser.add_argument(
+        "--llama-gguf",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="the GGUF files it serves, each a row",
+    )
     add_worker_args(parser)
     args = parser.parse_args()
     if args.worker:
@@ -266,6 +291,13 @@ def main() -> None:
                 runs[engine, dtype].append(record)
                 walls = " / ".join(f"{r['wall_s']:.1f}" for r in record["rounds"])
                 print(f"[repeat {repeat + 1}] {engine} {dtype}: rounds {walls} s", flush=True)
+        for gguf in args.llama_gguf:  # a format, not a dtype: once a repeat
+            fmt = gguf.stem.rsplit("-", 1)[-1].upper()
+            runs["llama.cpp", fmt].append(
+                llama_cpp_run(args.llama_server, gguf, json.loads(spec_path.read_text()))
+            )
+            walls = " / ".join(f"{r['wall_s']:.1f}" for r in runs["llama.cpp", fmt][-1]["rounds"])
+            print(f"[repeat {repeat + 1}] llama.cpp {fmt}: rounds {walls} s", flush=True)
     print(f"\nW1 support agent, {args.users} users x 3 turns, rounds; medians of {args.repeats}")
     summarize(runs, args.dtypes)
     if args.profile:
