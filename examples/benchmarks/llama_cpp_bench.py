@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from decode_bench import decode_rate
 from serve_bench import free_port
 
 SPEC = {
@@ -56,20 +57,14 @@ def ids(seed: str, count: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(count)]
 
 
-def figures(generate, stats, round_index: int) -> dict:
-    """One round's figures; generate(prompts, n) -> prompt tokens computed, stats() unused."""
+def figures(generate, round_index: int) -> dict:
+    """One round's figures; generate(prompts, n) returns the prompt tokens it computed."""
     out: dict = {}
     for context in SPEC["contexts"]:
         for batch in SPEC["batches"]:
             prompts = [ids(f"{context}-{batch}-{i}", context) for i in range(batch)]
             generate(prompts, 2)  # prefilled once: the timed calls find them cached
-            began = time.perf_counter()
-            generate(prompts, 1)
-            one_s = time.perf_counter() - began
-            began = time.perf_counter()
-            generate(prompts, 1 + SPEC["new_tokens"])
-            many_s = time.perf_counter() - began
-            out[f"decode b{batch} @{context}"] = batch * SPEC["new_tokens"] / (many_s - one_s)
+            out[f"decode b{batch} @{context}"] = decode_rate(generate, prompts, SPEC["new_tokens"])
     fresh = ids(f"prefill-{round_index}", SPEC["prefill_tokens"])
     began = time.perf_counter()
     generate([fresh], 1)
@@ -105,7 +100,7 @@ def flowlang_worker(label: str, round_index: int) -> dict:
             assert all(len(r.output_ids) == n for r in results)
             return engine.stats()["prefill_tokens_total"] - before
 
-        return figures(generate, None, round_index)
+        return figures(generate, round_index)
 
 
 class LlamaServer:
@@ -214,7 +209,7 @@ def main() -> None:
             server = LlamaServer(args.llama_server, args.gguf_dir / f"smollm2-135m-{fmt}.gguf")
             try:
                 rows.setdefault(f"llama.cpp {fmt.upper()}", []).append(
-                    figures(server.generate, None, round_index)
+                    figures(server.generate, round_index)
                 )
             finally:
                 server.close()
