@@ -38,7 +38,7 @@ def add_engine_fields(
 ) -> None:
     """One option per EngineConfig field (`names`, else all but NOT_OPTIONS), in field order:
     `--field-name` into `args.field_name`; `defaults` replaces fields' defaults. A bool field
-    is a switch: `--name` when it defaults to False, `--name/--no-name` when to True."""
+    is a switch: `--name` when it defaults to False, `--name/--no-name` when to True or None."""
     from runtime.config import EngineConfig  # torch-free, like all of `--help`
 
     fields = EngineConfig.model_fields
@@ -54,7 +54,8 @@ def add_engine_fields(
         option["help"] = text + (when_none if default is None else "")
         kind = value_type(field.annotation)
         if kind is bool:
-            option["action"] = "store_true" if not default else argparse.BooleanOptionalAction
+            # a switch that is off by default; one on, or decided when unset (None), can be refused
+            option["action"] = "store_true" if default is False else argparse.BooleanOptionalAction
         else:
             option.update(type=kind, metavar="N" if kind is int else None)
         parser.add_argument("--" + name.replace("_", "-"), **(option | extra))
@@ -96,6 +97,7 @@ def _option_extras() -> dict[str, dict[str, Any]]:
         "device": {"metavar": "{" + ",".join(DEVICES) + "}"},
         "page_size": {"metavar": "TOKENS"},
         "max_kv_tokens": {"metavar": "TOKENS", "help_when_none": unsized},
+        "gguf_blocks": {"help_when_none": " (default: on for a GGUF model on such a CPU)"},
         "kv_memory_fraction": {"metavar": "SHARE"},
         "kv_memory_cap_gib": {"metavar": "GIB"},
         "host_kv_gb": {"metavar": "GIB"},

@@ -192,11 +192,13 @@ class EngineConfig(BaseModel):
         description="how the model writes its reasoning: think (<think>...</think>), "
         "deepseek-r1 (the prompt opens the block) or none (default: read off the chat template)",
     )
-    gguf_blocks: bool = Field(
-        False,
-        description="decode rows of a GGUF model's Q8_0/Q4_1 weights run on their blocks, as "
-        "stored, through the native block GEMM; prefill keeps the dequantized weights (CPU "
-        "only; runtime/model/gguf_blocks.py)",
+    gguf_blocks: bool | None = Field(
+        None,
+        description="decode rows of a GGUF model's quantized weights (projections and LM head) "
+        "run on the file's blocks, as stored, through the native block GEMM; prefill keeps the "
+        "dequantized weights (CPU with AVX-512 VNNI/BF16 only; runtime/model/gguf_blocks.py); "
+        "unset: on where the model is a GGUF (a .gguf file or a registry name) and the CPU "
+        "has them; False: the dequantized weights throughout",
     )
     adapt_cpu_threads: bool = Field(
         True,
@@ -246,7 +248,7 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _blocks_on_cpu(self) -> EngineConfig:
         # the block GEMM is a CPU kernel (AVX-512); on a GPU the flag would silently do nothing
-        if self.gguf_blocks and self.device != "cpu":
+        if self.gguf_blocks is True and self.device != "cpu":
             raise ValueError(f"gguf_blocks runs on the CPU only; device is {self.device!r}")
         return self
 

@@ -192,7 +192,7 @@ class Engine(EngineCommon):
         return EngineSummary.of(
             self.config, self.arch, runner.pool, runner.attention.name, self.model_path,
             None if self.cpu_share is None else self.cpu_share.max_threads,
-            self.tiers.describe(),
+            self.tiers.describe(), runner.model.block_formats(),
         )  # fmt: skip
 
     def describe_cache(

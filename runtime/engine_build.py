@@ -17,6 +17,7 @@ from runtime.cache.tiers import KVTiers
 from runtime.config import EngineConfig
 from runtime.cpu_share import CpuShare
 from runtime.model.arch import ModelArch
+from runtime.model.gguf_blocks import configured_blocks, model_blocks
 from runtime.model.loader import checkpoint_digest, load_checkpoint, load_tokenizer
 from runtime.model.native.kernels import release_openmp_workers
 from runtime.model.native.kernels import start_building as start_building_kernels
@@ -47,14 +48,19 @@ def load_model(config: EngineConfig) -> LoadedModel:
         checkpoint = random_checkpoint(
             config.model, getattr(torch, config.dtype), config.device, config.seed
         )
-        tokenizer, path = None, None
+        tokenizer, path, blocks = (
+            None,
+            None,
+            model_blocks(config.model) if config.gguf_blocks else {},
+        )
     else:
         resolved = resolve_model(config.model)
         checkpoint = load_checkpoint(resolved)
         tokenizer, path = _maybe_tokenizer(resolved), str(resolved)
+        blocks = configured_blocks(config.model, config.gguf_blocks, torch.device(config.device))
     arch = ModelArch.from_hf(checkpoint.hf_config)
     num_slots = config.num_kv_slots(arch.kv_bytes_per_token(config.dtype))
-    runner = ModelRunner(arch, checkpoint.weights, num_slots, config)
+    runner = ModelRunner(arch, checkpoint.weights, num_slots, config, blocks)
     return LoadedModel(arch, runner, tokenizer, path)
 
 

@@ -39,6 +39,7 @@ class EngineSummary:
     max_cpu_threads: int | None = None  # adapted to the cores others leave (runtime/cpu_share)
     num_replicas: int = 1
     kv_tiers: str | None = None  # host memory and disk below the pool (runtime/cache/tiers)
+    weight_blocks: dict[str, int] | None = None  # tensors on GGUF blocks by type (gguf_blocks)
 
     @classmethod
     def of(
@@ -50,6 +51,7 @@ class EngineSummary:
         model_path: str | None,
         max_cpu_threads: int | None = None,
         kv_tiers: str | None = None,
+        weight_blocks: dict[str, int] | None = None,
     ) -> EngineSummary:
         """An engine's summary from its parts (cheap: nothing is loaded or measured)."""
         if config.max_kv_tokens is not None:
@@ -73,6 +75,7 @@ class EngineSummary:
             kernels=kernel_source(pool.device.type),
             max_cpu_threads=max_cpu_threads,
             kv_tiers=kv_tiers,
+            weight_blocks=weight_blocks or None,
         )
 
     def lines(self) -> list[str]:
@@ -94,6 +97,10 @@ class EngineSummary:
         ]
         if self.kv_tiers is not None:
             lines.insert(5, f"KV below   {self.kv_tiers}")
+        if self.weight_blocks:
+            kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(self.weight_blocks.items()))
+            lines.insert(3, f"weights    decode rows on the GGUF's blocks: {kinds} tensors")
+            lines.insert(4, "           (--no-gguf-blocks: the dequantized weights throughout)")
         if self.max_cpu_threads is not None:
             lines.append(
                 f"threads    {self.max_cpu_threads}, fewer while other processes use the cores"

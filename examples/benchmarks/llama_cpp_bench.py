@@ -5,11 +5,14 @@ tokens, a cold fork, and the box's memory bandwidth (a STREAM triad) beside them
     python examples/benchmarks/llama_cpp_bench.py --llama-server BUILD/bin/llama-server \
         --gguf-dir DIR [--rounds 3]
 
-DIR holds the default model as GGUF files named smollm2-135m-{q4_1,q8_0,bf16,f32}.gguf (the
-Q4_1 file is the one the registry ships; llama.cpp's convert_hf_to_gguf.py makes the others
-from the same weights). llama.cpp: `llama-server -t 2 -tb 2 -np 8`, prompt caching on (its
-default), one server per format. flowlang: a fresh process per configuration (bf16, fp32, each
-also with `gguf_blocks`: the Q4_1 projections' decode rows on the file's own blocks).
+DIR holds the default model as GGUF files named smollm2-135m-{q4_1,q4_k_m,q8_0,bf16,f32}.gguf
+(the Q4_1 file is the one the registry ships; llama.cpp's convert_hf_to_gguf.py makes the F32,
+BF16 and Q8_0 ones from the same weights, and its llama-quantize the Q4_K_M one from the F32).
+llama.cpp: `llama-server -t 2 -tb 2 -np 8`, prompt caching on (its default), one server per
+format. flowlang: a fresh process per configuration: bf16 and fp32 on the Q4_1 file
+dequantized (`gguf_blocks=False`), each also on its blocks (`gguf_blocks`, the default: the
+projections' and the LM head's decode rows on the file's own blocks), and bf16 on the Q4_K_M
+file's blocks (Q5_0, Q4_K, Q6_K and Q8_0 tensors).
 
 The same method for both, from the caller: decode tok/s = B x 64 / (t(65 tokens) - t(1 token))
 for B prompts already cached (prefill and its noise cancel); prefill tok/s = 512 / t(1 token)
@@ -48,8 +51,10 @@ SPEC = {
     "branch_tokens": 16,
     "branch_new_tokens": 32,
 }
-FLOWLANG = ["bfloat16", "float32", "bfloat16+blocks", "float32+blocks"]
-LLAMA_FORMATS = ["q4_1", "q8_0", "bf16", "f32"]
+# dtype[+file]: no file, the registry's Q4_1 GGUF dequantized (--no-gguf-blocks); +blocks, the
+# same file with its decode rows on its blocks (the default); +q4_k_m, DIR's Q4_K_M file likewise
+FLOWLANG = ["bfloat16", "float32", "bfloat16+blocks", "float32+blocks", "bfloat16+q4_k_m"]
+LLAMA_FORMATS = ["q4_1", "q4_k_m", "q8_0", "bf16", "f32"]
 
 
 def ids(seed: str, count: int) -> list[int]:
@@ -80,15 +85,16 @@ def figures(generate, round_index: int) -> dict:
     return out
 
 
-def flowlang_worker(label: str, round_index: int) -> dict:
+def flowlang_worker(label: str, round_index: int, gguf_dir: Path) -> dict:
     from runtime.config import EngineConfig
     from runtime.engine import Engine
     from runtime.protocol import GenerateRequest, SamplingParams
 
     dtype, _, blocks = label.partition("+")
-    config = EngineConfig(
-        model="smollm2-135m-instruct", dtype=dtype, gguf_blocks=bool(blocks), max_kv_tokens=40_000
-    )
+    model = "smollm2-135m-instruct"
+    if blocks not in ("", "blocks"):  # another GGUF of the same weights, run on its blocks
+        model = str(gguf_dir / f"smollm2-135m-{blocks}.gguf")
+    config = EngineConfig(model=model, dtype=dtype, gguf_blocks=bool(blocks), max_kv_tokens=40_000)
     with Engine(config) as engine:
 
         def generate(prompts, n):
@@ -168,7 +174,7 @@ def triad_gb_s() -> float:
     return 3 * n * 4 / best_s / 1e9
 
 
-def run_flowlang(label: str, round_index: int, folder: Path) -> dict:
+def run_flowlang(label: str, round_index: int, folder: Path, gguf_dir: Path) -> dict:
     out = folder / f"{label}-{round_index}.json"
     cmd = [
         sys.executable,
@@ -179,6 +185,8 @@ def run_flowlang(label: str, round_index: int, folder: Path) -> dict:
         str(round_index),
         "--out",
         str(out),
+        "--gguf-dir",
+        str(gguf_dir),
     ]
     subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parents[2])
     return json.loads(out.read_text())
@@ -194,7 +202,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        args.out.write_text(json.dumps(flowlang_worker(args.worker, args.round)))
+        args.out.write_text(json.dumps(flowlang_worker(args.worker, args.round, args.gguf_dir)))
         return
     folder = Path(tempfile.mkdtemp(prefix="llama-cpp-bench-"))
     rows: dict[str, list[dict]] = {}
@@ -203,7 +211,7 @@ def main() -> None:
         triads.append(triad_gb_s())
         for label in FLOWLANG:
             rows.setdefault(f"flowlang {label}", []).append(
-                run_flowlang(label, round_index, folder)
+                run_flowlang(label, round_index, folder, args.gguf_dir)
             )
         for fmt in LLAMA_FORMATS:
             server = LlamaServer(args.llama_server, args.gguf_dir / f"smollm2-135m-{fmt}.gguf")

@@ -21,7 +21,7 @@ what else is in its batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -121,10 +121,10 @@ def native_panel_gemm(weight: torch.Tensor) -> Any | None:
 class Linear:
     """y = x @ weight.T + bias for x (num_tokens, in_features). `logits`: the LM head, whose
     rows (one per sequence, or a prompt's for its logprobs) take the panel GEMM in a
-    batch-invariant forward, however many. `blocks`: the same weight as GGUF Q8_0 / Q4_1 rows
-    (runtime/model/gguf_blocks.py); where the CPU runs the block GEMM, the panel rows go through
-    it on those bytes (activations as given: the panel's result up to summation order) and no
-    panel copy is kept."""
+    batch-invariant forward, however many. `blocks`: the same weight as GGUF block rows, part
+    by part (runtime/model/gguf_blocks.py's linear_blocks); where the CPU runs the block GEMM,
+    the panel rows go through it on those bytes (activations as given: the panel's result up
+    to summation order) and no panel copy is kept."""
 
     def __init__(
         self,
@@ -132,7 +132,7 @@ class Linear:
         bias: torch.Tensor | None,
         pack: bool,
         logits: bool = False,
-        blocks: tuple[torch.Tensor, int] | None = None,
+        blocks: Sequence[tuple[torch.Tensor, int]] | None = None,
     ) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
@@ -141,12 +141,17 @@ class Linear:
         self._native = native_panel_gemm(weight) if pack else None
         self._panel_rows = PANEL_MAX_ROWS[weight.dtype] if self._native is not None else 0
         self.quant: tuple[torch.Tensor, int] | None = None  # (quant_pack's layout, GGML type)
-        if blocks is not None and self._native is not None and self._native.quant_gemm_supported():
-            raw, ggml_type = blocks
-            packed = self._native.quant_pack(
-                raw.reshape(-1), ggml_type, self.out_features, self.in_features
-            )
-            self.quant = (packed, ggml_type)
+        self.block_types: tuple[int, ...] = ()  # the GGUF type of each part on blocks
+        if blocks and self._native is not None and self._native.quant_gemm_supported():
+            packed = [
+                self._native.quant_pack(raw.reshape(-1), kind, raw.shape[0], self.in_features)
+                for raw, kind in blocks
+            ]  # parts of one layout, each whole groups of outputs: they join end to end
+            self.quant = (torch.cat(packed) if len(packed) > 1 else packed[0], blocks[0][1])
+            self.block_types = tuple(kind for _, kind in blocks)
+        # every row summed as it would be alone (csrc/quant_gemm.cpp's passes of 2 rows): what
+        # a batch-invariant or speculating engine needs, as the panel GEMM always does
+        self.block_rows_alike = False
         self.panels = None  # not built beside blocks: it would hold the weight a third time
         if self._native is not None and self.quant is None:
             self.panels = self._native.panel_pack(weight)
@@ -179,7 +184,9 @@ class Linear:
 
     def _block_gemm(self, x: torch.Tensor) -> torch.Tensor:
         packed, ggml_type = self.quant
-        return self._native.quant_gemm(x, packed, ggml_type, self.bias, self.out_features, False)
+        return self._native.quant_gemm(
+            x, packed, ggml_type, self.bias, self.out_features, False, self.block_rows_alike
+        )
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from runtime.model.arch import ModelArch
 from runtime.model.attention.base import AttentionBackend
 from runtime.model.batch import ForwardBatch
-from runtime.model.gguf_blocks import Blocks, fused_blocks
+from runtime.model.gguf_blocks import Blocks, head_blocks, linear_blocks
 from runtime.model.linear import Linear, packed_gemm_available
 from runtime.model.moe import load_feed_forward
 from runtime.model.pointwise import RopeTables, pointwise_ops
@@ -59,7 +59,8 @@ class LlamaModel:
         self.ops = pointwise_ops(self.device, arch.gemma_norms, arch.hidden_act, dtype)
         self.embed = get("model.embed_tokens.weight")  # (vocab, hidden)
         lm_head = self.embed if arch.tie_word_embeddings else get("lm_head.weight")
-        self.lm_head = Linear(lm_head, None, pack, logits=True)
+        head = head_blocks(blocks or {}, arch.tie_word_embeddings)
+        self.lm_head = Linear(lm_head, None, pack, logits=True, blocks=head)
         self.final_norm = norm("model.norm.weight")
         # Gemma: embeddings times sqrt(hidden) rounded to the model dtype, as transformers does
         self._embed_scale = torch.tensor(arch.embed_scale, dtype=dtype, device=self.device)
@@ -86,7 +87,7 @@ class LlamaModel:
         p = f"model.layers.{i}."
         attn = p + "self_attn."
         qkv_names = tuple(f"{x}_proj.weight" for x in "qkv")
-        qkv_blocks = fused_blocks(blocks, [attn + name for name in qkv_names])
+        qkv_blocks = linear_blocks(blocks, [attn + name for name in qkv_names])
         o_name = attn + "o_proj.weight"
         qkv_bias = None
         if arch.qkv_bias:
@@ -97,7 +98,7 @@ class LlamaModel:
             "qkv": Linear(
                 fused(attn, "qkv_proj.weight", qkv_names), qkv_bias, pack, blocks=qkv_blocks
             ),
-            "o": Linear(get(o_name), None, pack, blocks=blocks.get(o_name)),
+            "o": Linear(get(o_name), None, pack, blocks=linear_blocks(blocks, [o_name])),
             "mlp": load_feed_forward(arch, i, get, set(weights), pack, self.ops.act_mul, blocks),
         }
         if arch.gemma_norms:  # sandwich: each block's output is normalized before its add
@@ -110,6 +111,27 @@ class LlamaModel:
             layer["q_norm"] = norm(attn + "q_norm.weight")  # (head_dim,)
             layer["k_norm"] = norm(attn + "k_norm.weight")
         return layer
+
+    def linears(self) -> list[Linear]:
+        """The Linears: each layer's attention and dense MLP projections, and the LM head."""
+        linears = [self.lm_head]
+        for layer in self.layers:
+            linears += [v for v in layer.values() if isinstance(v, Linear)]
+            mlp = [getattr(layer["mlp"], name, None) for name in ("gate_up", "down")]
+            linears += [f for f in mlp if isinstance(f, Linear)]
+        return linears
+
+    def block_formats(self) -> dict[str, int]:
+        """Checkpoint tensors whose decode rows run on their GGUF blocks (gguf_blocks), counted
+        by block type (a fused Linear's parts each count)."""
+        from gguf import GGMLQuantizationType
+
+        counts: dict[str, int] = {}
+        for linear in self.linears():
+            for kind in linear.block_types:
+                name = GGMLQuantizationType(kind).name
+                counts[name] = counts.get(name, 0) + 1
+        return counts
 
     @property
     def num_params(self) -> int:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.model.arch import ModelArch
-from runtime.model.gguf_blocks import Blocks, fused_blocks
+from runtime.model.gguf_blocks import Blocks, linear_blocks
 from runtime.model.linear import Linear
 
 Getter = Callable[[str], torch.Tensor]
@@ -90,9 +90,9 @@ def load_feed_forward(
         else:
             parts = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
             gate_up = torch.cat([get(name) for name in parts])
-            gate_up_blocks = fused_blocks(blocks, parts)
+            gate_up_blocks = linear_blocks(blocks, parts)
         down_name = p + "mlp.down_proj.weight"
-        down = Linear(get(down_name), None, pack, blocks=blocks.get(down_name))
+        down = Linear(get(down_name), None, pack, blocks=linear_blocks(blocks, [down_name]))
         return GatedMLP(Linear(gate_up, None, pack, blocks=gate_up_blocks), down, act_mul)
     block = p + ("block_sparse_moe." if p + "block_sparse_moe.gate.weight" in names else "mlp.")
     gate_up, down = _expert_weights(arch.num_experts, block + "experts.", get, names)

@@ -14,7 +14,7 @@ from runtime.model.arch import ModelArch
 from runtime.model.attention import make_attention_backend
 from runtime.model.batch import ForwardBatch
 from runtime.model.cuda_graph import DecodeGraphs
-from runtime.model.gguf_blocks import model_blocks
+from runtime.model.gguf_blocks import Blocks
 from runtime.model.linear import decode_shaped, routed_rows
 from runtime.model.llama import LlamaModel
 from runtime.model.loader import load_checkpoint
@@ -44,14 +44,20 @@ class ModelRunner:
         weights: dict[str, torch.Tensor],
         num_slots: int,
         config: EngineConfig | None = None,
+        blocks: dict[str, Blocks] | None = None,
     ) -> None:
+        """`blocks`: GGUF block bytes of these very weights, by checkpoint name, for the decode
+        rows (gguf_blocks.configured_blocks, read by whoever loaded the weights)."""
         config = config or EngineConfig()
         self.arch = arch
         self.batch_invariant = config.batch_invariant
         self.dtype = parse_dtype(config.dtype)
         self.device = _checked_device(config.device)
-        blocks = model_blocks(config.model) if config.gguf_blocks else None
         self.model = LlamaModel(arch, weights, self.dtype, self.device, blocks)
+        if config.batch_invariant or config.speculative != "off":
+            # verified drafts and invariant batches need each row summed as it is alone
+            for linear in self.model.linears():
+                linear.block_rows_alike = True
         # decode graphs on CUDA for dense models (the experts' routing syncs with the host)
         graphs = not config.disable_cuda_graph and self.device.type == "cuda"
         graphs = graphs and arch.num_experts == 0

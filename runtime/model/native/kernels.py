@@ -1,6 +1,6 @@
 """The native CPU kernels (csrc/: paged and flash attention, the cascade merge, norms, RoPE,
-SiLU-and-mul, the decode-batch GEMM, the GEMM over GGUF Q8_0 / Q4_1 weights): built once per
-machine and torch build (build.py), loaded in milliseconds afterwards.
+SiLU-and-mul, the decode-batch GEMM, the GEMM over GGUF Q8_0 / Q4_1 / Q4_0 / Q5_0 / Q4_K / Q6_K
+weights): built once per machine and torch build (build.py), loaded in milliseconds afterwards.
 
 `start_building()` begins the build (or the load of a cached one) on a background thread, so an
 engine compiles while its model is fetched and loaded; `load_cpu_kernels()` waits for it. Where
@@ -20,7 +20,11 @@ from runtime.model.native import build
 from runtime.model.native.build import KernelBuildError
 
 __all__ = [
+    "GGML_Q4_0",
     "GGML_Q4_1",
+    "GGML_Q4_K",
+    "GGML_Q5_0",
+    "GGML_Q6_K",
     "GGML_Q8_0",
     "KernelBuildError",
     "kernel_status",
@@ -39,8 +43,12 @@ MAX_DECODE_ROWS = 16
 KV_CHUNK = 64
 PROGRESS_EVERY_S = 30.0
 # the GGUF block formats quant_pack / quant_gemm take (GGMLQuantizationType's values)
+GGML_Q4_0 = 2
 GGML_Q4_1 = 3
+GGML_Q5_0 = 6
 GGML_Q8_0 = 8
+GGML_Q4_K = 12  # super-blocks of 256: n_in a multiple of 256
+GGML_Q6_K = 14
 
 
 class _Kernels:
@@ -148,9 +156,11 @@ def load_cpu_kernels() -> Any:
     `rms_norm(x, weight, eps)`, `add_rms_norm(x, residual, weight, eps)`,
     `rope(x, cos, sin)`, `silu_and_mul(gate_up)`, and `panel_gemm(x, panels, bias, n_out)`
     over `panel_pack(w)`'s panels where `panel_gemm_supported()`,
-    `quant_gemm(x, packed, type, bias, n_out, quantize_x=False)` over
-    `quant_pack(raw, type, n_out, n_in)`'s groups of a weight's GGUF bytes (type GGML_Q8_0 or
-    GGML_Q4_1; quantize_x: x to int8 per 32-block, VNNI) where `quant_gemm_supported()`, and
+    `quant_gemm(x, packed, type, bias, n_out, quantize_x=False, rows_alike=False)` over
+    `quant_pack(raw, type, n_out, n_in)`'s groups of a weight's GGUF bytes (type GGML_Q8_0,
+    GGML_Q4_1, GGML_Q4_0, GGML_Q5_0, GGML_Q4_K or GGML_Q6_K; the K types need n_in a multiple
+    of 256; quantize_x: x to int8 per 32-block, VNNI; rows_alike: each row summed as it would
+    be alone, for batch invariance and exact speculation) where `quant_gemm_supported()`, and
     `release_openmp_workers()` (the calling thread's OpenMP pool, see csrc/threads.cpp).
     Raises KernelBuildError (the same one every time) where they cannot be had."""
     return _KERNELS.wait()
