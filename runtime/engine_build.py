@@ -48,11 +48,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
         checkpoint = random_checkpoint(
             config.model, getattr(torch, config.dtype), config.device, config.seed
         )
-        tokenizer, path, blocks = (
-            None,
-            None,
-            model_blocks(config.model) if config.gguf_blocks else {},
-        )
+        tokenizer, path = None, None
+        # random weights come from no file: asking for blocks is refused by model_blocks
+        blocks = model_blocks(config.model) if config.gguf_blocks else {}
     else:
         resolved = resolve_model(config.model)
         checkpoint = load_checkpoint(resolved)
