@@ -12,6 +12,9 @@ from runtime.cache.eviction import EVICTION_POLICIES
 DTYPES = ("float32", "bfloat16", "float16")
 KV_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 SPECULATIVE_MODES = ("tree", "off")
+# GGUF block types a checkpoint's projections can be quantized to at load (gguf-py quantizes
+# them; runtime/model/quantize_blocks.py)
+QUANTIZE_TYPES = ("q8_0", "q5_0", "q4_1", "q4_0")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
 DEVICES = ("cpu", "cuda", "cuda:<index>")
 _DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
@@ -200,6 +203,13 @@ class EngineConfig(BaseModel):
         "unset: on where the model is a GGUF (a .gguf file or a registry name) and the CPU "
         "has them; False: the dequantized weights throughout",
     )
+    quantize: str | None = Field(
+        None,
+        description="quantize the checkpoint's projections and LM head to these GGUF blocks at "
+        "load (gguf-py's quantizer) and decode on them through the native block GEMM, prefill "
+        "on their exact dequantization; the activations and KV keep --dtype (CPU with AVX-512 "
+        "VNNI/BF16 only; runtime/model/quantize_blocks.py)",
+    )
     adapt_cpu_threads: bool = Field(
         True,
         description="on CPU, run as many threads as other processes leave cores free "
@@ -207,7 +217,7 @@ class EngineConfig(BaseModel):
     )
 
     @field_validator(
-        "schedule_policy", "eviction_policy", "dtype", "kv_write_policy", "speculative"
+        "schedule_policy", "eviction_policy", "dtype", "kv_write_policy", "speculative", "quantize"
     )
     @classmethod
     def _known(cls, value: str, info: ValidationInfo) -> str:
@@ -217,8 +227,9 @@ class EngineConfig(BaseModel):
             "dtype": DTYPES,
             "kv_write_policy": KV_WRITE_POLICIES,
             "speculative": SPECULATIVE_MODES,
+            "quantize": QUANTIZE_TYPES,
         }[info.field_name]
-        if value not in choices:
+        if value is not None and value not in choices:
             raise ValueError(f"unknown {info.field_name} {value!r}; choose from {tuple(choices)}")
         return value
 
@@ -250,6 +261,12 @@ class EngineConfig(BaseModel):
         # the block GEMM is a CPU kernel (AVX-512); on a GPU the flag would silently do nothing
         if self.gguf_blocks is True and self.device != "cpu":
             raise ValueError(f"gguf_blocks runs on the CPU only; device is {self.device!r}")
+        if self.quantize is not None and self.device != "cpu":
+            raise ValueError(f"quantize runs on the CPU only; device is {self.device!r}")
+        if self.quantize is not None and self.gguf_blocks is True:
+            raise ValueError(
+                "gguf_blocks runs a GGUF's own blocks and quantize makes new ones: choose one"
+            )
         return self
 
     def num_kv_slots(self, kv_bytes_per_token: int) -> int:

@@ -21,6 +21,7 @@ from runtime.model.gguf_blocks import configured_blocks, model_blocks
 from runtime.model.loader import checkpoint_digest, load_checkpoint, load_tokenizer
 from runtime.model.native.kernels import release_openmp_workers
 from runtime.model.native.kernels import start_building as start_building_kernels
+from runtime.model.quantize_blocks import quantize_checkpoint
 from runtime.model.registry import check_model_name, resolve_model
 from runtime.model.runner import ModelRunner
 
@@ -55,8 +56,15 @@ def load_model(config: EngineConfig) -> LoadedModel:
         resolved = resolve_model(config.model)
         checkpoint = load_checkpoint(resolved)
         tokenizer, path = _maybe_tokenizer(resolved), str(resolved)
-        blocks = configured_blocks(config.model, config.gguf_blocks, torch.device(config.device))
+        blocks = {}
+        if config.quantize is None:  # else new blocks are made from the weights, below
+            device = torch.device(config.device)
+            blocks = configured_blocks(config.model, config.gguf_blocks, device)
     arch = ModelArch.from_hf(checkpoint.hf_config)
+    if config.quantize is not None:
+        blocks = quantize_checkpoint(
+            checkpoint.weights, arch.num_layers, arch.tie_word_embeddings, config.quantize
+        )
     num_slots = config.num_kv_slots(arch.kv_bytes_per_token(config.dtype))
     runner = ModelRunner(arch, checkpoint.weights, num_slots, config, blocks)
     return LoadedModel(arch, runner, tokenizer, path)
@@ -86,10 +94,12 @@ def make_tiers(config: EngineConfig, pool: KVPool, model_path: str | None) -> Lo
 
 def weights_identity(config: EngineConfig, model_path: str | None) -> str:
     """What names these weights for the disk tier: the model as given, plus a digest of its
-    weights' bytes and its config (random weights: their seed)."""
+    weights' bytes and its config (random weights: their seed), and the blocks they are
+    quantized to at load (other weights: other KV)."""
+    quantized = "" if config.quantize is None else f"|quantize={config.quantize}"
     if model_path is None:
-        return f"{config.model}|seed={config.seed}"
-    return f"{config.model}|{checkpoint_digest(model_path)}"
+        return f"{config.model}|seed={config.seed}{quantized}"
+    return f"{config.model}|{checkpoint_digest(model_path)}{quantized}"
 
 
 def loop_cpu_share(config: EngineConfig, runner: ModelRunner) -> CpuShare | None:

@@ -99,7 +99,7 @@ class EngineSummary:
             lines.insert(5, f"KV below   {self.kv_tiers}")
         if self.weight_blocks:
             kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(self.weight_blocks.items()))
-            lines.insert(3, f"weights    decode rows on the GGUF's blocks: {kinds} tensors")
+            lines.insert(3, f"weights    decode rows on GGUF blocks: {kinds} tensors")
             lines.insert(4, "           (--no-gguf-blocks: the dequantized weights throughout)")
         if self.max_cpu_threads is not None:
             lines.append(

@@ -65,8 +65,14 @@ class KVPool:
         """Store K/V rows (num_tokens, num_kv_heads, head_dim) at `slot_idx` (num_tokens,)."""
         self.k[layer].index_copy_(0, slot_idx, k)
         self.v[layer].index_copy_(0, slot_idx, v)
+        self.count_writes(slot_idx, 1)
+
+    def count_writes(self, slot_idx: torch.Tensor, num_layers: int) -> None:
+        """Add `num_layers` layer writes to each of `slot_idx`'s counts (when tracked): what
+        `write` does per layer, for rows written by other means (a tier's load, the fused
+        decode layers)."""
         if self.write_counts is not None:
-            self.write_counts.index_add_(0, slot_idx, torch.ones_like(slot_idx))
+            self.write_counts.index_add_(0, slot_idx, torch.full_like(slot_idx, num_layers))
 
     def read_rows(self, slot_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `slot_idx` (n,) in every layer: (num_layers, n, num_kv_heads, head_dim)
@@ -91,8 +97,7 @@ class KVPool:
         idx = slot_idx.to(self.device)
         self._k.index_copy_(1, idx, k.to(self.device, non_blocking=True))
         self._v.index_copy_(1, idx, v.to(self.device, non_blocking=True))
-        if self.write_counts is not None:
-            self.write_counts.index_add_(0, idx, torch.full_like(idx, self.num_layers))
+        self.count_writes(idx, self.num_layers)
 
 
 def lazy_zeros(

@@ -164,20 +164,39 @@ class Linear:
         rows = x.shape[0]
         if self._native is None or rows == 0:
             return self._dense(x)
+        if self.takes_panel(rows):
+            return self._panel(x)
         routes = _routes.get()
-        if routes is not None and self.logits:
-            return self._panel(x)
-        if routes is None or routes.num_tokens != rows:  # default, or an expert's rows
-            panel_rows = max(self._panel_rows, _decode_panel_rows.get())
-            return self._panel(x) if rows <= panel_rows else self._dense(x)
-        if routes.dense is None:
-            return self._panel(x)
-        if routes.panel is None:
+        if routes is None or routes.num_tokens != rows or routes.panel is None:
             return self._dense(x)
         out = x.new_empty(rows, self.out_features)
         out[routes.panel] = self._panel(x[routes.panel])
         out[routes.dense] = self._dense(x[routes.dense])
         return out
+
+    def takes_panel(self, rows: int) -> bool:
+        """Whether a call on `rows` rows (in the current routing) runs them all on the panel
+        or block GEMM."""
+        if self._native is None or rows == 0:
+            return False
+        routes = _routes.get()
+        if routes is not None and self.logits:
+            return True
+        if routes is None or routes.num_tokens != rows:  # default, or an expert's rows
+            return rows <= max(self._panel_rows, _decode_panel_rows.get())
+        return routes.dense is None
+
+    def native_gemm(self) -> tuple[torch.Tensor, int, int] | None:
+        """What csrc/decode_layers.cpp needs to run this Linear's panel rows as `_panel` does:
+        (the block layout, its GGML type) or (the panels, -1), and the output count; None
+        where there is no native GEMM here or a bias (the fused layers take none)."""
+        if self.bias is not None:
+            return None
+        if self.quant is not None:
+            return self.quant[0], self.quant[1], self.out_features
+        if self.panels is not None:
+            return self.panels, -1, self.out_features
+        return None
 
     def _panel_gemm(self, x: torch.Tensor) -> torch.Tensor:
         return self._native.panel_gemm(x, self.panels, self.bias, self.out_features)

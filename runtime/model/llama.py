@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from runtime.model.arch import ModelArch
 from runtime.model.attention.base import AttentionBackend
 from runtime.model.batch import ForwardBatch
+from runtime.model.fused_decode import fused_decoder
 from runtime.model.gguf_blocks import Blocks, head_blocks, linear_blocks
 from runtime.model.linear import Linear, packed_gemm_available
 from runtime.model.moe import load_feed_forward
@@ -70,6 +71,8 @@ class LlamaModel:
             self._load_layer(i, weights, get, norm, pack, blocks or {})
             for i in range(arch.num_layers)
         ]
+        # a decode step's layers in one native call where the model is of its shape
+        self.fused = fused_decoder(arch, self.ops, self.layers)
         # (inverse frequencies, scale) per RoPE parameter set; None keys the only one
         self._rope_params = {t: arch.rope_inv_freq(t) for t in set(arch.rope_layer_types)}
         self._rope: dict[str | None, RopeTables] = {}
@@ -167,11 +170,30 @@ class LlamaModel:
         can capture it; the RoPE tables must already cover `positions` (`ensure_rope`)."""
         arch, ops, eps = self.arch, self.ops, self.arch.rms_norm_eps
         ropes = {t: ops.rope_context(positions, tables) for t, tables in self._rope.items()}
-        q_size = arch.num_heads * arch.head_dim
-        kv_size = arch.num_kv_heads * arch.head_dim
         residual = F.embedding(input_ids, self.embed)  # (num_tokens, hidden)
         if arch.embed_scale != 1.0:
             residual = residual * self._embed_scale
+        step = attn.fused_decode_step()
+        if self.fused.takes(step, residual.shape[0]):
+            x, residual = self.fused.run(residual, ropes[arch.rope_layer_types[0]], step)
+        else:
+            x, residual = self._layers(residual, ropes, attn)
+        if logit_rows is None:
+            return torch.empty(0, arch.vocab_size)
+        last = residual[logit_rows] + x[logit_rows]  # (num_logit_rows, hidden)
+        logits = self.lm_head(ops.rms_norm(last, self.final_norm, eps)).float()
+        if arch.final_softcap:
+            logits = torch.tanh(logits / arch.final_softcap) * arch.final_softcap
+        return logits
+
+    def _layers(
+        self, residual: torch.Tensor, ropes: dict, attn: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) after the last layer, one op at a time; its residual add is left to
+        the caller."""
+        arch, ops, eps = self.arch, self.ops, self.arch.rms_norm_eps
+        q_size = arch.num_heads * arch.head_dim
+        kv_size = arch.num_kv_heads * arch.head_dim
         x = ops.rms_norm(residual, self.layers[0]["input_norm"], eps)
         for i, layer in enumerate(self.layers):
             if i:  # the residual add fused into the norm of the next block
@@ -194,13 +216,7 @@ class LlamaModel:
             x = layer["mlp"](x)
             if "mlp_out_norm" in layer:
                 x = ops.rms_norm(x, layer["mlp_out_norm"], eps)
-        if logit_rows is None:
-            return torch.empty(0, arch.vocab_size)
-        last = residual[logit_rows] + x[logit_rows]  # (num_logit_rows, hidden)
-        logits = self.lm_head(ops.rms_norm(last, self.final_norm, eps)).float()
-        if arch.final_softcap:
-            logits = torch.tanh(logits / arch.final_softcap) * arch.final_softcap
-        return logits
+        return x, residual
 
     def ensure_rope(self, num_positions: int) -> dict[str | None, RopeTables]:
         """RoPE tables covering positions 0..num_positions-1, grown by doubling as in

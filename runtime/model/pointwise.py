@@ -144,26 +144,26 @@ class NativeCpuOps(TorchOps):
 
     def __init__(self, kernels: Any, hidden_act: str) -> None:
         super().__init__(False, hidden_act)
-        self._kernels = kernels
-        self._native_act = hidden_act == "silu"
+        self.kernels = kernels
+        self.native_act = hidden_act == "silu"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self._kernels.rms_norm(x.contiguous(), weight, eps)
+        return self.kernels.rms_norm(x.contiguous(), weight, eps)
 
     def add_rms_norm(self, x, residual, weight, eps):
-        return self._kernels.add_rms_norm(x.contiguous(), residual.contiguous(), weight, eps)
+        return self.kernels.add_rms_norm(x.contiguous(), residual.contiguous(), weight, eps)
 
     def rope_context(self, positions: torch.Tensor, tables: RopeTables) -> Any:
         return tables.cos[positions], tables.sin[positions]  # (tokens, rotary_dim) each
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, context: Any) -> tuple[torch.Tensor, ...]:
         cos, sin = context
-        return self._kernels.rope(q, cos, sin), self._kernels.rope(k, cos, sin)
+        return self.kernels.rope(q, cos, sin), self.kernels.rope(k, cos, sin)
 
     def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if not self._native_act:
+        if not self.native_act:
             return super().act_mul(gate_up)
-        return self._kernels.silu_and_mul(gate_up.contiguous())
+        return self.kernels.silu_and_mul(gate_up.contiguous())
 
 
 def pointwise_ops(

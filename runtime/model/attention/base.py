@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
@@ -42,6 +43,12 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q (num_tokens, num_heads, head_dim), k/v (num_tokens, num_kv_heads, head_dim)
         -> (num_tokens, num_heads * head_dim)."""
+
+    def fused_decode_step(self) -> Any:
+        """This forward's attention as one paged-decode call per layer that the fused decode
+        layers (runtime/model/fused_decode.py) can make themselves, when `plan` found nothing
+        else to do; None here: every layer goes through `forward`."""
+        return None
 
     def prepare_decode_graphs(self, batch_sizes: tuple[int, ...], max_seq_len: int) -> None:
         """Static per-size planning state for decode graphs (runtime/model/cuda_graph.py);

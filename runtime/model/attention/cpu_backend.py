@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.cache.pool import KVPool
 from runtime.model.attention.cascade import (
     SharedPrefix,
     causal_attention_with_lse,
@@ -58,6 +59,17 @@ def paged_decodes(rows: list[int], slots: list[torch.Tensor], num_new: list[int]
     qo_indptr = torch.zeros(len(slots) + 1, dtype=torch.int64)
     torch.cumsum(torch.tensor(num_new), 0, out=qo_indptr[1:])
     return PagedDecodes(torch.tensor(rows), torch.cat(slots), kv_indptr, qo_indptr)
+
+
+@dataclass(frozen=True)
+class FusedDecodeStep:
+    """A forward whose every row is a paged decode with nothing else to attend (no cascade,
+    window or soft-cap): what csrc/decode_layers.cpp needs to attend it layer by layer."""
+
+    pool: KVPool
+    out_slots: torch.Tensor  # (num_tokens,) where each row's new K/V goes
+    decodes: PagedDecodes
+    kv_chunk: int  # paged_attention's kv_chunk: 0, or KV_CHUNK when batch-invariant
 
 
 @dataclass
@@ -149,6 +161,12 @@ class CpuPagedAttention(TorchAttention):
 
     def _in_decode_group(self, ext_len: int, seq_len: int) -> bool:
         return ext_len <= self.max_kernel_extend
+
+    def fused_decode_step(self) -> FusedDecodeStep | None:
+        plain = all(w is None for w in self.sliding_windows) and self.softcap is None
+        if not plain or self._cascades or not self.decodes_cover_all:
+            return None
+        return FusedDecodeStep(self.pool, self.out_slots, self.decode_group, self._kv_chunk)
 
     def _plan_decodes(self, rows: list[int], slots: list[torch.Tensor], extend_lens: list[int]):
         return paged_decodes(rows, slots, extend_lens)

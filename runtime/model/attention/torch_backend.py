@@ -68,7 +68,7 @@ class TorchAttention(AttentionBackend):
         )
 
     def plan(self, batch: ForwardBatch) -> None:
-        self._out_slots = batch.out_slots.to(self.pool.device)
+        self.out_slots = batch.out_slots.to(self.pool.device)
         self._num_tokens = batch.num_tokens
         self._mask_cache: dict[tuple[int, int | None], torch.Tensor | None] = {}
         self.plan_sequences(sequences_of(batch))
@@ -91,7 +91,7 @@ class TorchAttention(AttentionBackend):
             self._plan_decodes(decode_rows, decode_slots, decode_lens) if decode_rows else None
         )
         # one kernel call answers every row: no scatter into a fresh output
-        self._decodes_cover_all = not self._extends and len(decode_rows) == self._num_tokens
+        self.decodes_cover_all = not self._extends and len(decode_rows) == self._num_tokens
 
     def _in_decode_group(self, ext_len: int, seq_len: int) -> bool:
         """Sequences attended together by `_attend_decodes` (here: single-token decodes)."""
@@ -114,10 +114,10 @@ class TorchAttention(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        self.pool.write(layer, self._out_slots, k, v)
+        self.pool.write(layer, self.out_slots, k, v)
         window = self.sliding_windows[layer]
         num_heads, head_dim = q.shape[1], q.shape[2]
-        if self.decode_group is not None and self._decodes_cover_all:
+        if self.decode_group is not None and self.decodes_cover_all:
             return self._attend_decodes(layer, q, window).reshape(-1, num_heads * head_dim)
         out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
         self.attend_into(layer, q, k, v, window, out)

@@ -43,6 +43,7 @@ SOURCES = tuple(
         "panel_gemm.cpp",
         "threads.cpp",
         "quant_gemm.cpp",
+        "decode_layers.cpp",
     )
 )
 HEADERS = (CSRC / "avx512_math.h", CSRC / "ops.h")

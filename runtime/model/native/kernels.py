@@ -1,6 +1,7 @@
 """The native CPU kernels (csrc/: paged and flash attention, the cascade merge, norms, RoPE,
 SiLU-and-mul, the decode-batch GEMM, the GEMM over GGUF Q8_0 / Q4_1 / Q4_0 / Q5_0 / Q4_K / Q6_K
-weights): built once per machine and torch build (build.py), loaded in milliseconds afterwards.
+weights, and a decode step's layers calling them in one op): built once per machine and torch
+build (build.py), loaded in milliseconds afterwards.
 
 `start_building()` begins the build (or the load of a cached one) on a background thread, so an
 engine compiles while its model is fetched and loaded; `load_cpu_kernels()` waits for it. Where
