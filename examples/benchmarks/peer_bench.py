@@ -165,14 +165,15 @@ def vllm_worker(spec: dict, dtype: str) -> dict:
     return drive_rounds(tokenizer, convs, generate)
 
 
-def llama_cpp_run(binary: str, gguf: Path, spec: dict) -> dict:
-    """W1 on `llama-server` over HTTP (one slot per user, both threads; the same token-id
-    prompts, greedy, stopping at EOS or the reply length), in this process."""
+def llama_cpp_run(binary: str, gguf: Path, spec: dict, slots: int = 0) -> dict:
+    """W1 on `llama-server` over HTTP (`slots` parallel slots, default one per user, both
+    threads; the same token-id prompts, greedy, stopping at EOS or the reply length), in this
+    process. Users beyond the slots wait in llama-server's queue."""
     from llama_cpp_bench import LlamaServer
     from transformers import AutoTokenizer
 
     convs = [Conversation(**c) for c in spec["conversations"]]
-    server = LlamaServer(binary, gguf, slots=len(convs), slot_tokens=4096)
+    server = LlamaServer(binary, gguf, slots=slots or len(convs), slot_tokens=4096)
     try:
         return drive_rounds(AutoTokenizer.from_pretrained(spec["model"]), convs, server.complete)
     finally:
@@ -260,6 +261,9 @@ def main() -> None:
         default=[],
         help="the GGUF files it serves, each a row",
     )
+    parser.add_argument(
+        "--llama-slots", type=int, default=0, help="its parallel slots (default: one per user)"
+    )
     add_worker_args(parser)
     args = parser.parse_args()
     if args.worker:
@@ -294,7 +298,9 @@ def main() -> None:
         for gguf in args.llama_gguf:  # a format, not a dtype: once a repeat
             fmt = gguf.stem.rsplit("-", 1)[-1].upper()
             runs["llama.cpp", fmt].append(
-                llama_cpp_run(args.llama_server, gguf, json.loads(spec_path.read_text()))
+                llama_cpp_run(
+                    args.llama_server, gguf, json.loads(spec_path.read_text()), args.llama_slots
+                )
             )
             walls = " / ".join(f"{r['wall_s']:.1f}" for r in runs["llama.cpp", fmt][-1]["rounds"])
             print(f"[repeat {repeat + 1}] llama.cpp {fmt}: rounds {walls} s", flush=True)
