@@ -16,40 +16,31 @@ namespace {
 using OptTensor = c10::optional<at::Tensor>;
 using Pair = std::tuple<at::Tensor, at::Tensor>;
 
+using T = const at::Tensor&;
+
+// A registered op's unboxed handle, found by name (the handle type is final: held, not derived).
 template <typename Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
+struct Op {
+  c10::TypedOperatorHandle<Signature> handle;
+  explicit Op(const char* name)
+      : handle(c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>()) {}
+  template <typename... Args>
+  decltype(auto) call(Args&&... args) const {
+    return handle.call(std::forward<Args>(args)...);
+  }
+};
 
 // The kernels, looked up once (the first call: every file's ops are registered by then).
 struct Kernels {
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
-                                      const OptTensor&, int64_t, bool, bool)>
-      quant_gemm = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
-                                      const OptTensor&, int64_t, bool, bool)>(
-          "flowlang::quant_gemm");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
-                                      int64_t)>
-      panel_gemm = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
-                                      int64_t)>("flowlang::panel_gemm");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("flowlang::rms_norm");
-  c10::TypedOperatorHandle<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>
-      add_rms_norm =
-          find_op<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
-              "flowlang::add_rms_norm");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>
-      rope = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-          "flowlang::rope");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul =
-      find_op<at::Tensor(const at::Tensor&)>("flowlang::silu_and_mul");
-  c10::TypedOperatorHandle<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                                int64_t, double, int64_t)>
-      paged_attention =
-          find_op<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                       const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
-                       double, int64_t)>("flowlang::paged_attention");
+  Op<at::Tensor(T, T, int64_t, const OptTensor&, int64_t, bool, bool)> quant_gemm{
+      "flowlang::quant_gemm"};
+  Op<at::Tensor(T, T, const OptTensor&, int64_t)> panel_gemm{"flowlang::panel_gemm"};
+  Op<at::Tensor(T, T, double)> rms_norm{"flowlang::rms_norm"};
+  Op<Pair(T, T, T, double)> add_rms_norm{"flowlang::add_rms_norm"};
+  Op<at::Tensor(T, T, T)> rope{"flowlang::rope"};
+  Op<at::Tensor(T)> silu_and_mul{"flowlang::silu_and_mul"};
+  Op<Pair(T, T, T, T, T, T, double, int64_t, double, int64_t)> paged_attention{
+      "flowlang::paged_attention"};
 };
 
 const Kernels& kernels() {
