@@ -88,6 +88,7 @@ class AgentTrace:
     answer_tokens: int
     fork_after_round: int | None = None  # the round after whose results subagents start
     subagents: tuple[SubagentTrace, ...] = ()
+    arrival_s: float = 0.0  # when it starts, after the batch does (wall seconds)
 
 
 # ---------------------------------------------------------------------- the tools
@@ -204,7 +205,12 @@ def replay_subagents(s, trace: AgentTrace, time_scale: float) -> None:
 @program
 def agent_trace(s, trace: AgentTrace, system_prompt: str, time_scale: float = 1.0):
     """Replay `trace` after the shared `system_prompt`; tools wait their gaps x `time_scale`.
-    s["answer"] is the final answer, s["finished_s"] the perf_counter when it was back."""
+    s["answer"] is the final answer; s["arrived_s"] and s["finished_s"] the perf_counter when
+    it started (after its arrival_s) and when the answer was back."""
+    if trace.arrival_s:  # (a read ends run_batch's compile here: only a run waits; no pins)
+        s["arrival_s"] = trace.arrival_s
+        time.sleep(s["arrival_s"])
+    s["arrived_s"] = time.perf_counter()
     s += system(system_prompt, tools=list(make_tools(time_scale).values()))
     s += user(words_text(trace.context_tokens, f"{trace.key}:context"))
     for number, round_ in enumerate(trace.rounds):

@@ -6,6 +6,7 @@ greedy outputs under lru, graph and the unbounded pool."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import sys
 from dataclasses import replace
@@ -97,6 +98,19 @@ def test_seeds_reproduce_and_differ():
     assert (len(fixed.agents), fixed.pool_share, fixed.page_size) == (9, 0.35, 1)
     varied = traces.vary(shape, rounds=(20, 30))
     assert all(20 <= len(a.rounds) <= 30 for a in traces.draw_batch(varied, 3).agents)
+
+
+def test_arrivals_are_poisson_and_leave_the_agents_as_drawn():
+    shape = traces.PRESETS["family"]
+    at_once = traces.draw_batch(shape, 2, num_agents=400)
+    arriving = traces.draw_batch(traces.vary(shape, arrivals_per_s=2.0), 2, num_agents=400)
+    assert {a.arrival_s for a in at_once.agents} == {0.0}
+    assert [replace(a, arrival_s=0.0) for a in arriving.agents] == list(at_once.agents)
+    times = sorted(a.arrival_s for a in arriving.agents)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert times[0] == 0.0 and abs(sum(gaps) / len(gaps) - 0.5) < 0.1  # mean gap 1 / rate
+    first_half = [len(a.rounds) for a in arriving.agents if a.arrival_s <= times[200]]
+    assert max(first_half) >= 30 and min(first_half) == 4  # short and long mix through the run
 
 
 # ---------------------------------------------------------------------- on the tiny model

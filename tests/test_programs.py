@@ -121,6 +121,30 @@ def test_where_recompute_is_cheap_waiting_is_not_worth_it():
     )
 
 
+def test_while_others_run_a_program_joins_only_where_its_steps_cost_more_than_recompute():
+    """A (paused, kept) and C (running) are in; B does not fit beside A's kept path. Where a
+    recomputed token is nearly free against a step's fixed cost (the tiny model), B joins C's
+    steps at once; where it is dear (the default model), B waits and A keeps its path."""
+    for per_token_s, joins in ((1e-5, True), (0.1, False)):
+        sched = scheduler(POOL, eviction_policy="graph")
+        now = with_clock(sched)
+        priced(sched, per_token_s)  # steps cost 0.01 s + per_token_s a token
+        a = program_req("a1", ids(1, 120), "A", after_s=5.0)
+        sched.add(a)
+        run(sched)
+        now[0] = 1.0
+        c = program_req("c1", ids(6, 10), "C", after_s=None, new=40)
+        sched.add(c)
+        step(sched)
+        assert c in sched.running
+        b = program_req("b1", ids(2, 110), "B", after_s=None, new=20)
+        sched.add(b)
+        step(sched)
+        assert (b.rid not in sched.waiting) is joins, per_token_s
+        assert sched.counters["programs_entered_priced"] == int(joins)
+        assert sched.counters["program_entries_deferred"] == int(not joins)
+
+
 def test_a_late_program_is_not_waited_for():
     sched, a, b = paused_a_then_new_b(per_token_s=0.1)
     sched.lookahead.clock = lambda: 5.0 + 2.0  # A is 2 s past its declared return

@@ -130,9 +130,10 @@ class RadixMachine(RuleBasedStateMachine):
     def lock_earlier_match(self, data):
         """Lock a position taken before later inserts may have split its edge."""
         ns, prefix, pos = self.matches.pop(data.draw(st.integers(0, len(self.matches) - 1)))
+        unlocked = self.cache.unlocked_tokens(pos)  # what admission counts as the reader's own
         delta = self.cache.lock(pos)
         newly = self.page_prefixes(ns, prefix) - self.locked_prefixes()
-        assert -delta == len(newly) * self.ps
+        assert -delta == len(newly) * self.ps == unlocked
         self.locks.append((ns, prefix, pos))
 
     @precondition(lambda self: self.locks)

@@ -127,6 +127,32 @@ def test_a_request_that_can_never_fit_fails_alone():
     assert small.gen.finish_reason == "length" and small.gen.output_ids == [4, 5, 6, 7]
 
 
+@pytest.mark.parametrize("eviction_policy", ["lru", "graph"])
+def test_a_cached_prefix_is_not_promised_twice_and_nothing_stalls_behind_it(eviction_policy):
+    """A request whose cached prefix is unlocked would be promised those slots twice: once as
+    its prefix, once as evictable room for its new tokens. Beside a pin holding half the pool
+    it cannot fit; it fails as busy at once, and the request behind it runs (a pass that
+    admitted it, then found no slots for its first chunk, ended there every step: a stall
+    found with agents under run_batch's pins)."""
+    sched = scheduler(num_slots=200, eviction_policy=eviction_policy)
+    pin = make_req("pin", [1 + i % 50 for i in range(100)], max_new_tokens=0, kind=ReqKind.PIN)
+    sched.add(pin)
+    run(sched)
+    context = [60 + i % 30 for i in range(56)]
+    sched.add(make_req("first", context, arrival=1))
+    run(sched)  # its 56 + 3 tokens stay cached, unlocked
+    assert sched.kv.cache.protected_size == 100 and sched.kv.cache.evictable_size >= 56
+    grows = make_req("grows", context + [90 + i % 7 for i in range(50)], arrival=2)
+    fresh = [100 + i % 20 for i in range(20)]
+    behind = make_req("behind", fresh, arrival=3)
+    sched.add(grows)
+    sched.add(behind)
+    run(sched)
+    assert grows.error_kind == "busy" and "retry later" in grows.error
+    assert behind.gen.finish_reason == "length"
+    assert behind.gen.output_ids == expected_output(fresh, 4)
+
+
 def test_lpm_admits_the_longest_cached_match_first():
     sched = scheduler(schedule_policy="lpm", max_running_requests=1)
     warm = [5] * 30

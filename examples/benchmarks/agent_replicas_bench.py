@@ -113,12 +113,12 @@ def run_cluster_row(
     router = RouterConfig(policy=policy, program_affinity=homes)
     with Cluster(engine, ClusterConfig(num_replicas=replicas, router=router)) as cluster:
         backend = RetryingCluster(cluster, tokenizer, place=place)
-        states, start, makespan_s = run_timed(batch, backend)
+        states, makespan_s = run_timed(batch, backend)
         cluster.check_integrity()
         stats = cluster.stats()
         per_replica = [int(stats[i]["prefill_tokens_total"]) for i in sorted(stats)]
         evicted = sum(int(s["evicted_tokens_total"]) for s in stats.values())
-        result = RowResult(sum(per_replica), evicted, *program_results(states, start),
+        result = RowResult(sum(per_replica), evicted, *program_results(states),
                            makespan_s, 0, 0, 0, backend.retries)  # fmt: skip
         return ClusterRow(result, cluster.router.program_homes()[1], per_replica)
 

@@ -159,7 +159,7 @@ def run_row(
     with make_engine(model, tokenizer, capacity, policy, batch, **settings) as engine:
         recording = bool(settings.get("record_trace"))  # the unbounded row: bounds measured
         backend = (backend_type or RetryingBackend)(engine, record=recording)
-        states, start, makespan_s = run_timed(batch, backend)
+        states, makespan_s = run_timed(batch, backend)
         engine.check_integrity()
         stats = engine.stats()
         if show_stats:
@@ -170,7 +170,7 @@ def run_row(
         return RowResult(
             int(stats["prefill_tokens_total"]),
             int(stats["evicted_tokens_total"]),
-            *program_results(states, start),
+            *program_results(states),
             makespan_s,
             working_set(trace) if trace else 0,
             backend.prompt_report()["lower_bound"] if recording else 0,
@@ -179,23 +179,24 @@ def run_row(
         )
 
 
-def run_timed(batch: AgentBatch, backend) -> tuple[list, float, float]:
-    """Every agent of the batch at once through `backend`: the states, the start (perf_counter
-    seconds) and the makespan."""
+def run_timed(batch: AgentBatch, backend) -> tuple[list, float]:
+    """Every agent of the batch through `backend` (each from its arrival): the states and the
+    makespan (seconds from the batch's start)."""
     start = time.perf_counter()
     states = agent_trace.run_batch(
         batch.batch_args(), backend=backend, progress=False, max_workers=len(batch.agents)
     )
-    return states, start, time.perf_counter() - start
+    return states, time.perf_counter() - start
 
 
-def program_results(states: list, start_s: float) -> tuple[list, list, list]:
-    """From run_batch's states: each program's completion seconds (nan if it failed) and output
-    (its tokens and its subagents' reports; None if it failed), and the failures."""
+def program_results(states: list) -> tuple[list, list, list]:
+    """From run_batch's states: each program's completion seconds from its arrival (nan if it
+    failed) and output (its tokens and its subagents' reports; None if it failed), and the
+    failures."""
     completions, outputs, failures = [], [], []
     for state in states:
         if hasattr(state, "text"):  # a failure is an InstanceError
-            completions.append(state["finished_s"] - start_s)
+            completions.append(state["finished_s"] - state["arrived_s"])
             outputs.append((tuple(state.token_ids()), tuple(state.get("report") or ())))
         else:
             completions.append(math.nan)

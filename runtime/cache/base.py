@@ -63,6 +63,10 @@ class PrefixCache(Protocol):
     def unlock(self, where: TreePosition) -> int:
         """Undo one lock(where)."""
 
+    def unlocked_tokens(self, position: TreePosition) -> int:
+        """Tokens up to a current `position` that no lock holds: what lock(position) moves
+        out of evictable_size."""
+
     def slot_indices(self, position: TreePosition) -> torch.Tensor:
         """Slots of the (locked) prefix up to `position`."""
 
@@ -131,6 +135,9 @@ class NullCache:
         raise RuntimeError("nothing is cached, so nothing can be locked")
 
     unlock = lock
+
+    def unlocked_tokens(self, position: TreePosition) -> int:
+        return 0
 
     def slot_indices(self, position: TreePosition) -> torch.Tensor:
         return _EMPTY

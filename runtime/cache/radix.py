@@ -246,6 +246,22 @@ class RadixCache:
         self._release(victims)
         return num_evicted
 
+    def unlocked_tokens(self, position: TreePosition) -> int:
+        """Tokens up to a current `position` that no lock holds: what lock(position) moves
+        out of evictable_size. Admission counts them as its reader's own: once it is admitted
+        they are locked, and so no room for its new tokens."""
+        node, prefix_len = position.node, position.prefix_len
+        while node.parent is not None and node.parent.depth >= prefix_len:
+            node = node.parent  # edges split since the position was taken
+        if node.parent is None or node.evicted or node.lock_ref:
+            return 0  # (a lock holds its whole path to the root)
+        unlocked = prefix_len - (node.depth - len(node.key))  # its edge, up to the position
+        node = node.parent
+        while node.parent is not None and not node.lock_ref:
+            unlocked += len(node.key)
+            node = node.parent
+        return unlocked
+
     def resolve(self, position: TreePosition) -> TreeNode:
         """The node a (locked, or otherwise split) position ends at exactly."""
         return self._node_at(position, split=False)

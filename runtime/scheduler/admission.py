@@ -8,13 +8,15 @@ step's token budget, and it runs. (mini-sglang's PrefillAdder has the same shape
 
 The checks, in order:
 - room to run: token budget left, fewer than max_running_requests running;
-- owner in order: an owner's later requests wait behind its first that does not fit;
+- owner in order: an owner's later requests wait behind its first that does not fit, and a
+  request retracted to make room for another owner's sits one pass out;
 - ready to sample: its stop matching caught up, its first grammar mask ready;
 - prefilled once: no running request computes the tokens it shares beyond its cache match;
 - lower tiers ready: its chunk files are read (prefetch thread);
 - program in: a request of a program not running nor paused with its KV kept enters in
   program order, if it fits beside the kept KV (programs.py);
-- fits: free + evictable slots cover what it computes and reserves to grow, or another
+- fits: free + evictable slots cover what it computes and reserves to grow, and the
+  unlocked part of its cached prefix (its lock holds that once it starts), or another
   owner's request may pass it (at most admission_patience times);
 - not deferred: graph eviction keeps what the work ahead reads soon (lookahead.py).
 """
@@ -101,6 +103,11 @@ class AdmissionPass:
         return STOP if self.budget <= 0 or full else ADMIT
 
     def owner_in_order(self, req: Req) -> Verdict:
+        """Its owner's earlier request does not fit, or it was retracted for another owner's
+        (it sits this pass out: the room it made goes to the request it was made for)."""
+        if req.queue.yielded:
+            req.queue.yielded = False
+            return SKIP
         return SKIP if owner_of(req.namespace) in self.blocked else ADMIT
 
     def ready_to_sample(self, req: Req) -> Verdict:
@@ -126,8 +133,8 @@ class AdmissionPass:
 
     def program_in(self, req: Req) -> Verdict:
         """Its program is in, or it is the next program to enter and fits beside the KV the
-        paused programs keep; or nothing runs and waiting for them costs more than
-        recomputing what it evicts of theirs (programs.py)."""
+        paused programs keep, or holding it back costs more than recomputing what it evicts of
+        theirs (programs.py)."""
         s, programs = self.s, self.programs
         if programs.is_in(req) or s.need(req) > s.kv.allocator.num_slots:
             return ADMIT  # (one larger than the pool never enters: `fits` fails it at once)
@@ -141,9 +148,8 @@ class AdmissionPass:
         if self.entry_closed or not self.entrants or self.entrants[0] is not req:
             return SKIP  # not its program's turn
         # kept KV it would evict, and the room the programs in grow into
-        short = s.need(req) + self.kept + programs.headroom_tokens - self.available
-        idle = not s.running and not self.entries
-        if short <= 0 or (idle and programs.waiting_costs_more(short, s.lookahead.now_s)):
+        short = self.takes(req) + self.kept + programs.headroom_tokens - self.available
+        if short <= 0 or self.entry_priced(req, short):
             self.entrants.pop(0)
             programs.entered()
             s.counters["programs_entered" if short <= 0 else "programs_entered_priced"] += 1
@@ -152,12 +158,21 @@ class AdmissionPass:
         s.counters["program_entries_deferred"] += 1
         return SKIP
 
+    def entry_priced(self, req: Req, short: int) -> bool:
+        """A program that does not fit beside the kept KV enters anyway when that is cheaper
+        than recomputing the `short` tokens it evicts: with nothing running, than waiting for
+        the soonest return; with others running, than the steps it would later run alone."""
+        programs = self.programs
+        if not self.s.running and not self.entries:
+            return programs.waiting_costs_more(short, self.s.lookahead.now_s)
+        return programs.joining_costs_less(req, short)
+
     def fits(self, req: Req) -> Verdict:
         """It fits now; else it failed as too large for the pool, or other owners' requests
         that fit may pass it (at most `admission_patience` times: a tenant's long requests
         never hold another's short one), or admission stops at it."""
         s = self.s
-        need = s.need(req)
+        need = self.takes(req)
         if need <= self.available:
             return ADMIT
         if not s.running and not self.entries and need > s.kv.capacity_for_one:
@@ -178,12 +193,20 @@ class AdmissionPass:
             return SKIP
         return ADMIT
 
+    def takes(self, req: Req) -> int:
+        """What admitting `req` takes of the slots admission may promise: what it computes
+        and reserves to grow, and the unlocked part of its cached prefix, which its lock then
+        holds (counted as evictable, it would be promised twice: once to its own new tokens;
+        then its first chunk cannot get slots, and with nothing running it never would)."""
+        s = self.s
+        return s.need(req) + s.kv.cache.unlocked_tokens(s.policy.match(req))
+
     # ------------------------------------------------------------------ starting
     def start(self, req: Req) -> bool:
         """Start an admitted request: take its prefix and size its first chunk. False if
         eviction could not produce its slots after all (it waits; the pass ends)."""
         s = self.s
-        need = s.need(req)
+        need = self.takes(req)
         del s.waiting[req.rid]
         s.start(req, s.policy.match(req))
         self.programs.started(req)

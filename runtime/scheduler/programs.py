@@ -20,13 +20,19 @@ program_service.py), then the oldest; one that has waited STARVATION_S enters be
 has not. Programs enter in that order: the first that does not fit holds the rest, so a large
 program is not passed forever by small ones.
 
-Waiting is priced: when nothing runs and every program in is paused on its tools, a waiting
-program enters anyway if recomputing the kept KV it would evict (the engine's measured cost per
-token, StepTime) costs less than waiting for the soonest expected return. A return is expected
-when it was declared (GraphHints.next_turn_after_s: flowlang sends the slowest offered tool's
-latency_s) until returns after that declaration have been seen: then after the gap they took.
-(Pricing the wait while a few decodes run as well was tried: on the default
-model it let 365 programs in priced and computed 1.63x the bound instead of 1.20x; RESULTS.md.)
+Waiting is priced, with the engine's measured step costs (StepTime: a step is t0 + c per token).
+When nothing runs and every program in is paused on its tools, a waiting program enters anyway
+if recomputing the kept KV it would evict (c per token) costs less than waiting for the soonest
+expected return. A return is expected when it was declared (GraphHints.next_turn_after_s:
+flowlang sends the slowest offered tool's latency_s) until returns after that declaration have
+been seen: then after the gap they took. While others run, it enters if that recompute costs
+less than the fixed costs its decode steps share by riding the running steps now (t0 for each
+token it is expected to decode) instead of paying for steps of their own later, with fewer
+programs in to share them. On the default model (t0 worth 15-100 recomputed tokens, entries that
+evict thousands) that keeps the gate as it was; on the tiny model (t0 worth ~36) it lets a few
+in, and the gate still runs more steps than lru there (RESULTS.md). (Pricing the wait by the
+running tokens alone, whatever the recompute, let 365 programs in on the default model: 1.63x
+the bound instead of 1.20x.)
 
 `NoPrograms` is the gate turned off (`program_admission=False`, or eviction that knows no
 future): every request is its own program and nothing is held.
@@ -56,7 +62,7 @@ STARVATION_S = 60.0  # a request waiting this long to enter goes before every on
 # until CONTINUATION_GRACE_S: a program whose tool ran long finds its KV)
 LATE_S = 1.0
 HEADROOM_DECAY = 0.1
-GAP_DECAY = 0.2  # each return seen moves the learned gap this far towards it
+GAP_DECAY = 0.2  # each return seen moves the learned gap (and decode length) this far towards it
 
 
 def program_key(req: Req) -> tuple[Hashable, str] | None:
@@ -101,6 +107,9 @@ class ProgramGate:
         # a lower tier keeps what the pool evicts: a paused program's path is then loaded
         # back on its return (prefetched ahead of it, lookahead.py), never recomputed
         self.tiers_keep = kv.tiers.keeps_evicted
+        # tokens a program's request decodes, learned (decayed mean): max_new_tokens is a
+        # bound, and an HTTP client's may be far above what its answers take
+        self.decoded_tokens: float | None = None
 
     # ------------------------------------------------------------------ what happens
     def arrived(self, req: Req, now_s: float) -> None:
@@ -156,6 +165,9 @@ class ProgramGate:
         record = self.programs.get(key)
         if record is not None:
             record.num_running -= 1
+        if key is not None and req.gen.finished and req.error is None:  # (a failure decodes 0)
+            seen, decoded = self.decoded_tokens, len(req.gen.output_ids)
+            self.decoded_tokens = decoded if seen is None else seen + GAP_DECAY * (decoded - seen)
 
     def advance(self, now_s: float) -> None:
         """Once a step: a paused branch whose path was evicted, or overdue past its return
@@ -224,6 +236,19 @@ class ProgramGate:
             return True  # unmeasured, or every paused program is late: do not idle on a guess
         wait_s = min(max(0.0, min(expected) - now_s), MAX_HINT_RETURN_S)
         return fit[1] * evicts_tokens < wait_s
+
+    def joining_costs_less(self, req: Req, evicts_tokens: int) -> bool:
+        """Others run: whether `req` joining their steps now saves more step time than
+        recomputing `evicts_tokens` of kept KV costs: each token it decodes rides a step that
+        runs anyway (t0 paid once for all its rows) instead of a step of its own later."""
+        fit = self.step_time.fit()
+        if fit is None:
+            return False  # unmeasured: the kept KV's worth is unknown too; keep it
+        fixed_s, per_token_s = fit
+        decodes = req.remaining_new_tokens
+        if self.decoded_tokens is not None:
+            decodes = min(decodes, self.decoded_tokens)
+        return per_token_s * evicts_tokens < fixed_s * decodes
 
     def stats(self) -> dict[str, float]:
         return {

@@ -51,6 +51,9 @@ class QueuePlace:
     admit_seq: int = -1  # -1: never admitted
     num_retractions: int = 0
     num_passed: int = 0  # later requests admitted while this one was deferred
+    # retracted to make room for another owner's request: it sits out the next admission pass
+    # (a retracted request goes first, and would take back the room it was retracted for)
+    yielded: bool = False
     match_pos: TreePosition | None = None
     match_version: int = -1
 

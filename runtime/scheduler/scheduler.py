@@ -119,6 +119,7 @@ class Scheduler:
         self._catch_up_stops(stop_budget)
         for req in fair_share_victims_of(self):  # owners over their share make room
             self.back_to_waiting(req)
+            req.queue.yielded = True
             self.counters["share_retractions"] += 1
         entries = self._schedule_entries()
         if not entries:
