@@ -24,10 +24,10 @@ class FlowlangServer:
     """`flowlang serve --model MODEL --dtype DTYPE --max-kv-tokens KV_TOKENS` on a free port."""
 
     def __init__(self, model: str, dtype: str, kv_tokens: int) -> None:
-        self.url = f"http://127.0.0.1:{free_port()}"
-        port = self.url.rsplit(":", 1)[1]
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "flowlang", "serve", "--model", model, "--dtype", dtype,
-               "--max-kv-tokens", str(kv_tokens), "--port", port]  # fmt: skip
+               "--max-kv-tokens", str(kv_tokens), "--port", str(port)]  # fmt: skip
         self.proc = start(cmd, self.url)
         self.client = httpx.Client(base_url=self.url, timeout=3600)
 

@@ -250,9 +250,8 @@ class RadixCache:
         """Tokens up to a current `position` that no lock holds: what lock(position) moves
         out of evictable_size. Admission counts them as its reader's own: once it is admitted
         they are locked, and so no room for its new tokens."""
-        node, prefix_len = position.node, position.prefix_len
-        while node.parent is not None and node.parent.depth >= prefix_len:
-            node = node.parent  # edges split since the position was taken
+        prefix_len = position.prefix_len
+        node = _current_edge(position.node, prefix_len)
         if node.parent is None or node.evicted or node.lock_ref:
             return 0  # (a lock holds its whole path to the root)
         unlocked = prefix_len - (node.depth - len(node.key))  # its edge, up to the position
@@ -393,8 +392,7 @@ class RadixCache:
             node, prefix_len = where, where.depth
         else:
             node, prefix_len = where.node, where.prefix_len
-        while node.parent is not None and node.parent.depth >= prefix_len:
-            node = node.parent  # edges split since the position was taken
+        node = _current_edge(node, prefix_len)
         if node.parent is None:
             return node  # a root (maybe dropped since): nothing to lock, nothing stale
         if node.evicted:
@@ -521,3 +519,11 @@ def _as_key(token_ids: Sequence[int]) -> tuple[int, ...]:
     if isinstance(token_ids, torch.Tensor):
         return tuple(token_ids.tolist())
     return token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
+
+
+def _current_edge(node: TreeNode, prefix_len: int) -> TreeNode:
+    """The node whose edge holds a position's end now: `node` or an ancestor (its edge split
+    since the position was taken)."""
+    while node.parent is not None and node.parent.depth >= prefix_len:
+        node = node.parent
+    return node
