@@ -95,8 +95,10 @@ def make_tiers(config: EngineConfig, pool: KVPool, model_path: str | None) -> Lo
 def weights_identity(config: EngineConfig, model_path: str | None) -> str:
     """What names these weights for the disk tier: the model as given, plus a digest of its
     weights' bytes and its config (random weights: their seed), and the blocks they are
-    quantized to at load (other weights: other KV)."""
+    quantized to at load (other weights: other KV), and activations rounded to int8 (other KV
+    too: the K and V projections see the rounded activations)."""
     quantized = "" if config.quantize is None else f"|quantize={config.quantize}"
+    quantized += "|activations=int8" if config.quantize_activations else ""
     if model_path is None:
         return f"{config.model}|seed={config.seed}{quantized}"
     return f"{config.model}|{checkpoint_digest(model_path)}{quantized}"

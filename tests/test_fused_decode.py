@@ -52,6 +52,11 @@ CASES = [
     pytest.param(DEFAULT_MODEL, {"dtype": "float32"}, id="default-model-blocks-fp32"),
     pytest.param("head64", {"dtype": "bfloat16"}, id="tiny-panels-bf16"),
     pytest.param("head64", {"dtype": "float32", "batch_invariant": True}, id="tiny-invariant"),
+    pytest.param(
+        "head64",
+        {"dtype": "bfloat16", "quantize": "q8_0", "quantize_activations": True},
+        id="tiny-q8_0-int8-activations",
+    ),
 ]
 
 
@@ -60,7 +65,8 @@ CASES = [
 def test_fused_decode_computes_what_the_layer_loop_does(
     model, settings, batch, head_dim_64_model_dir
 ):
-    if model == DEFAULT_MODEL and not load_cpu_kernels().quant_gemm_supported():
+    blocks = model == DEFAULT_MODEL or "quantize" in settings
+    if blocks and not load_cpu_kernels().quant_gemm_supported():
         pytest.skip("this CPU has no AVX-512 BF16 + VNNI for the GGUF blocks")
     model = str(head_dim_64_model_dir) if model == "head64" else model
     runner = load_model(EngineConfig(model=model, max_kv_tokens=4096, **settings)).runner
@@ -68,8 +74,10 @@ def test_fused_decode_computes_what_the_layer_loop_does(
     assert isinstance(fused, FusedDecoder)
     ids = prompts(batch)
     with_fused = decode_logits(runner, ids, NEW_TOKENS)
-    # every decode forward; a short prefill's rows are paged decodes too (batch 1: 9 rows)
-    assert fused.num_steps == NEW_TOKENS - 1 + (batch == 1)
+    # every decode forward; a short prefill's rows are paged decodes too, and fused where its
+    # rows take the panel or blocks (batch 1: 9 rows; with int8 activations every row does)
+    prefill_fused = batch == 1 or settings.get("quantize_activations", False)
+    assert fused.num_steps == NEW_TOKENS - 1 + prefill_fused
     runner.model.fused = NoFusedDecoder()
     layer_by_layer = decode_logits(runner, ids, NEW_TOKENS)
     for a, b in zip(with_fused, layer_by_layer, strict=True):

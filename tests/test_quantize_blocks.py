@@ -110,3 +110,54 @@ def test_quantized_weights_name_their_own_kv_on_disk():
     plain = EngineConfig(model="random:tiny")
     quantized = EngineConfig(model="random:tiny", quantize="q8_0")
     assert weights_identity(plain, None) != weights_identity(quantized, None)
+
+
+def first_logits(runner, prompts: list[list[int]]) -> torch.Tensor:
+    from runtime.cache.allocator import SlotAllocator
+    from runtime.model.batch import ForwardBatch
+
+    allocator = SlotAllocator(runner.pool.num_slots)
+    slots = [allocator.alloc(len(p)) for p in prompts]
+    return runner.forward(ForwardBatch.build(prompts, slots))
+
+
+@needs_block_gemm
+def test_int8_activations_move_the_logits_by_their_rounding_and_take_every_row(
+    head_dim_64_model_dir,
+):
+    """quantize_activations: every Linear on blocks rounds its activations to int8 per block
+    (llama.cpp's Q8_0 activations) and takes every row, a prefill's too; the logits move by
+    that rounding (~0.5% of a projection's output), not more."""
+    model = str(head_dim_64_model_dir)
+    exact = load_model(EngineConfig(model=model, quantize="q8_0", max_kv_tokens=4096)).runner
+    config = EngineConfig(
+        model=model, quantize="q8_0", quantize_activations=True, max_kv_tokens=4096
+    )
+    rounded = load_model(config).runner
+    assert all(linear.block_quantize_x for linear in rounded.model.linears())
+    assert all(linear.takes_panel(512) for linear in rounded.model.linears())  # prefill too
+    assert not exact.model.linears()[1].takes_panel(512)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1000, 40000, size=40 + 9 * i).tolist() for i in range(4)]
+    a, b = first_logits(exact, prompts), first_logits(rounded, prompts)
+    assert not torch.equal(a, b)  # the activations were rounded
+    relative = (a - b).norm() / a.norm()
+    assert relative < 0.05, f"logits moved by {relative:.2%}"
+
+
+def test_int8_activations_are_refused_without_blocks(tiny_model_dir):
+    with pytest.raises(ValidationError, match="quantize_activations rounds the activations"):
+        EngineConfig(quantize_activations=True, gguf_blocks=False)
+    with pytest.raises(ValidationError, match="quantize_activations rounds the activations"):
+        EngineConfig(quantize_activations=True, device="cuda")
+    from runtime.errors import UsageError
+
+    config = EngineConfig(model=str(tiny_model_dir), quantize_activations=True, max_kv_tokens=512)
+    with pytest.raises(UsageError, match="quantize_activations: no weights on GGUF blocks"):
+        load_model(config)
+
+
+def test_int8_activations_name_their_own_kv_on_disk():
+    quantized = EngineConfig(model="random:tiny", quantize="q8_0")
+    rounded = EngineConfig(model="random:tiny", quantize="q8_0", quantize_activations=True)
+    assert weights_identity(quantized, None) != weights_identity(rounded, None)

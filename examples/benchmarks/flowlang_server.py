@@ -20,7 +20,28 @@ from serve_bench import free_port, start
 PREFILL_METRIC = re.compile(r"^flowlang_prefill_tokens_total (\S+)$", re.MULTILINE)
 
 
-class FlowlangServer:
+class ServedPeer:
+    """A server driven as its clients drive it: each prompt its own request, all sent together.
+    A peer says how one request goes (`one`) and what its server has computed (`prefilled`)."""
+
+    def prefilled(self) -> int:
+        """Prompt tokens the server has computed so far."""
+        raise NotImplementedError
+
+    def one(self, prompt: list[int], n: int) -> list[int]:
+        """Up to `n` greedy tokens after `prompt`, as one request."""
+        raise NotImplementedError
+
+    def complete(self, prompts: list[list[int]], n: int) -> tuple[list[list[int]], int]:
+        """Greedy completions of token-id prompts, each its own request, sent together: (output
+        ids each, prompt tokens computed in all)."""
+        before = self.prefilled()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            outputs = list(pool.map(lambda prompt: self.one(prompt, n), prompts))
+        return outputs, self.prefilled() - before
+
+
+class FlowlangServer(ServedPeer):
     """`flowlang serve --model MODEL --dtype DTYPE --max-kv-tokens KV_TOKENS` on a free port."""
 
     def __init__(self, model: str, dtype: str, kv_tokens: int) -> None:
@@ -32,24 +53,14 @@ class FlowlangServer:
         self.client = httpx.Client(base_url=self.url, timeout=3600)
 
     def prefilled(self) -> int:
-        """Prompt tokens the server has computed so far."""
         text = self.client.get("/metrics").text
         return int(float(PREFILL_METRIC.search(text).group(1)))
 
-    def complete(self, prompts: list[list[int]], n: int) -> tuple[list[list[int]], int]:
-        """Greedy completions of token-id prompts, each its own request, sent together: (output
-        ids each, prompt tokens computed in all)."""
-
-        def one(prompt: list[int]) -> list[int]:
-            body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": n}}
-            answer = self.client.post("/generate", json=body)
-            answer.raise_for_status()
-            return answer.json()["output_ids"]
-
-        before = self.prefilled()
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            outputs = list(pool.map(one, prompts))
-        return outputs, self.prefilled() - before
+    def one(self, prompt: list[int], n: int) -> list[int]:
+        body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": n}}
+        answer = self.client.post("/generate", json=body)
+        answer.raise_for_status()
+        return answer.json()["output_ids"]
 
     def close(self) -> None:
         self.client.close()

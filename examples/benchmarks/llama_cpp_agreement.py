@@ -1,7 +1,7 @@
 """Greedy output of flowlang and llama.cpp on the same GGUF file (issue 53, item 1): how many of
 a set of prompts continue identically, and how far the two agree where they part.
 
-    python examples/benchmarks/llama_cpp_agreement.py --llama-server BUILD/bin/llama-server \
+    python examples/benchmarks/llama_cpp_agreement.py [--llama-server BUILD/bin/llama-server] \
         [--gguf FILE] [--f32-gguf F32_FILE] [--new-tokens 32]
 
 FILE defaults to the registry's Q4_1 GGUF of the default model (the file flowlang decodes on by
@@ -15,6 +15,10 @@ by the weights. flowlang runs on the file's blocks in bf16 and fp32 (its default
 dequantized in fp32 (`--no-gguf-blocks`). SmolLM2-135M's next-token distributions are often
 flat (the first token after "What is the capital of France?": "The" -1.88 and "L" -1.96 in
 llama.cpp's F32), so a rounding can change a greedy continuation.
+
+flowlang also rounds activations as llama.cpp does on request (`--quantize-activations`, path
+(b)): those rows show what that does, against flowlang's own exact reference (fp32 on the
+dequantized weights) always, and against llama.cpp where `--llama-server` is given.
 """
 
 from __future__ import annotations
@@ -51,7 +55,10 @@ FLOWLANG = {
     "bf16, blocks (default)": dict(dtype="bfloat16"),
     "fp32, blocks (default)": dict(dtype="float32"),
     "fp32, dequantized": dict(dtype="float32", gguf_blocks=False),
+    "bf16, blocks, int8 activations": dict(dtype="bfloat16", quantize_activations=True),
+    "fp32, blocks, int8 activations": dict(dtype="float32", quantize_activations=True),
 }
+REFERENCE = "fp32, dequantized"  # flowlang's exact reference: every row is compared with it
 
 
 def prompt_ids(tokenizer) -> list[list[int]]:
@@ -103,7 +110,7 @@ def llama_outputs(binary: str, gguf: Path, ids: list[list[int]], n: int) -> list
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama-server", required=True)
+    parser.add_argument("--llama-server", help="default: flowlang against its reference only")
     parser.add_argument("--gguf", type=Path, help="default: the registry's GGUF of the model")
     parser.add_argument(
         "--f32-gguf", type=Path, help="the same weights as F32: llama.cpp without quantization"
@@ -117,18 +124,24 @@ def main() -> None:
     gguf = args.gguf or source_gguf(DEFAULT_MODEL)
     ids = prompt_ids(load_tokenizer(resolve_model(DEFAULT_MODEL)))
     files = {gguf.name: gguf, **({"F32": args.f32_gguf} if args.f32_gguf else {})}
-    theirs = {
-        name: llama_outputs(args.llama_server, f, ids, args.new_tokens) for name, f in files.items()
-    }
     model = str(args.gguf) if args.gguf else DEFAULT_MODEL
+    ours = {
+        label: flowlang_outputs(model, ids, args.new_tokens, settings)
+        for label, settings in FLOWLANG.items()
+    }
+    theirs = {f"flowlang {REFERENCE}": ours[REFERENCE]}
+    if args.llama_server:
+        for name, path in files.items():
+            theirs[f"llama.cpp {name}"] = llama_outputs(
+                args.llama_server, path, ids, args.new_tokens
+            )
     print(f"{len(PROMPTS)} prompts, up to {args.new_tokens} greedy tokens each")
-    print("| flowlang | llama.cpp | identical | mean tokens agreeing before they part |")
+    print("| flowlang | against | identical | mean tokens agreeing before they part |")
     print("| --- | --- | ---: | ---: |")
-    for label, settings in FLOWLANG.items():
-        ours = flowlang_outputs(model, ids, args.new_tokens, settings)
-        for name, outputs in theirs.items():
-            same = sum(a == b for a, b in zip(ours, outputs, strict=True))
-            agree = sum(common_prefix(a, b) for a, b in zip(ours, outputs, strict=True)) / len(ids)
+    for label, outputs in ours.items():
+        for name, reference in theirs.items():
+            same = sum(a == b for a, b in zip(outputs, reference, strict=True))
+            agree = sum(map(common_prefix, outputs, reference)) / len(ids)
             print(f"| {label} | {name} | {same}/{len(ids)} | {agree:.1f} |")
 
 

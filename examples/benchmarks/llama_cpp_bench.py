@@ -3,7 +3,7 @@ interleaved, medians: batch-1 and batch-8 decode after 16 and 1,024 tokens, pref
 tokens, a cold fork, and the box's memory bandwidth (a STREAM triad) beside them.
 
     python examples/benchmarks/llama_cpp_bench.py --llama-server BUILD/bin/llama-server \
-        --gguf-dir DIR [--rounds 3]
+        --gguf-dir DIR [--rounds 3] [--flowlang LABEL ...]
 
 DIR holds the default model as GGUF files named smollm2-135m-{q4_1,q4_k_m,q8_0,bf16,f32}.gguf
 (the Q4_1 file is the one the registry ships; llama.cpp's convert_hf_to_gguf.py makes the F32,
@@ -51,9 +51,12 @@ SPEC = {
     "branch_tokens": 16,
     "branch_new_tokens": 32,
 }
-# dtype[+file]: no file, the registry's Q4_1 GGUF dequantized (--no-gguf-blocks); +blocks, the
-# same file with its decode rows on its blocks (the default); +q4_k_m, DIR's Q4_K_M file likewise
+# dtype[+file[+int8]]: no file, the registry's Q4_1 GGUF dequantized (--no-gguf-blocks); +blocks,
+# the same file with its decode rows on its blocks (the default); +q4_k_m, DIR's Q4_K_M file
+# likewise; +int8, every row on the blocks with activations rounded to int8 per block
+# (--quantize-activations, llama.cpp's way)
 FLOWLANG = ["bfloat16", "float32", "bfloat16+blocks", "float32+blocks", "bfloat16+q4_k_m"]
+FLOWLANG_MORE = ["bfloat16+blocks+int8", "float32+blocks+int8"]
 LLAMA_FORMATS = ["q4_1", "q4_k_m", "q8_0", "bf16", "f32"]
 
 
@@ -91,10 +94,17 @@ def flowlang_worker(label: str, round_index: int, gguf_dir: Path) -> dict:
     from runtime.protocol import GenerateRequest, SamplingParams
 
     dtype, _, blocks = label.partition("+")
+    blocks, _, activations = blocks.partition("+")
     model = "smollm2-135m-instruct"
     if blocks not in ("", "blocks"):  # another GGUF of the same weights, run on its blocks
         model = str(gguf_dir / f"smollm2-135m-{blocks}.gguf")
-    config = EngineConfig(model=model, dtype=dtype, gguf_blocks=bool(blocks), max_kv_tokens=40_000)
+    config = EngineConfig(
+        model=model,
+        dtype=dtype,
+        gguf_blocks=bool(blocks),
+        quantize_activations=activations == "int8",
+        max_kv_tokens=40_000,
+    )
     with Engine(config) as engine:
 
         def generate(prompts, n):
@@ -194,8 +204,10 @@ def run_flowlang(label: str, round_index: int, folder: Path, gguf_dir: Path) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--llama-server", required=False)
+    parser.add_argument("--llama-server", help="default: flowlang's rows only")
     parser.add_argument("--gguf-dir", type=Path)
+    parser.add_argument("--flowlang", nargs="+", default=FLOWLANG,
+                        choices=FLOWLANG + FLOWLANG_MORE, help="flowlang's rows")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--round", type=int, help=argparse.SUPPRESS)
@@ -209,11 +221,11 @@ def main() -> None:
     triads = []
     for round_index in range(args.rounds):
         triads.append(triad_gb_s())
-        for label in FLOWLANG:
+        for label in args.flowlang:
             rows.setdefault(f"flowlang {label}", []).append(
                 run_flowlang(label, round_index, folder, args.gguf_dir)
             )
-        for fmt in LLAMA_FORMATS:
+        for fmt in LLAMA_FORMATS if args.llama_server else []:
             server = LlamaServer(args.llama_server, args.gguf_dir / f"smollm2-135m-{fmt}.gguf")
             try:
                 rows.setdefault(f"llama.cpp {fmt.upper()}", []).append(

@@ -13,7 +13,12 @@ it imports only the standard library, transformers, vllm, conversations.py and s
 `--baseline DIR` (a checkout of an older commit) adds that code's engine, "flowlang (before)",
 interleaved with the others in every repeat. `--flowlang-http` adds "flowlang (HTTP)": `flowlang
 serve` in a subprocess, each user's turn its own HTTP request (flowlang_server.py), as
-`--llama-server` drives llama-server.
+`--llama-server` drives llama-server; `--vllm-http` adds "vllm (HTTP)": `vllm serve` from the
+`--vllm-python` venv, driven the same way (vllm_server.py). `--quantized-rows` adds flowlang in its
+quantized modes, in process like "flowlang": "flowlang blocks" (the registry's Q4_1 GGUF, decode
+rows on its blocks, the default for that model) and "flowlang blocks+int8" (every row on the blocks,
+activations rounded to int8 per block: `--quantize-activations`); the plain "flowlang" row runs the
+same weights dequantized, as vLLM does.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ from side_by_side import add_worker_args, run_worker
 
 KV_TOKENS = 80_000  # W1 64 x 3 peaks near 45k slots; both engines get room for all of it
 HTTP_ROW = "flowlang (HTTP)"  # `flowlang serve` driven over HTTP (--flowlang-http)
+VLLM_HTTP_ROW = "vllm (HTTP)"  # `vllm serve` driven over HTTP (--vllm-http)
+# --quantized-rows: row -> the worker's --flowlang-mode
+QUANTIZED_ROWS = {"flowlang blocks": "blocks", "flowlang blocks+int8": "blocks+int8"}
 
 
 def drive_rounds(tokenizer, convs: list[Conversation], generate) -> dict:
@@ -110,13 +118,17 @@ class PhaseTimer:
         return out
 
 
-def flowlang_worker(spec: dict, dtype: str, profile: bool) -> dict:
+def flowlang_worker(spec: dict, dtype: str, profile: bool, mode: str = "") -> dict:
+    """`mode`: "" (spec's checkpoint, dequantized), "blocks" or "blocks+int8" (the registry's
+    GGUF of the same weights, on its blocks; +int8: activations rounded too)."""
     from runtime.config import EngineConfig
     from runtime.engine import Engine
     from runtime.protocol import GenerateRequest, SamplingParams
 
     convs = [Conversation(**c) for c in spec["conversations"]]
-    config = EngineConfig(model=spec["model"], dtype=dtype, max_kv_tokens=KV_TOKENS)
+    quantized = dict(gguf_blocks=True, quantize_activations=mode == "blocks+int8") if mode else {}
+    model = "smollm2-135m-instruct" if mode else spec["model"]
+    config = EngineConfig(model=model, dtype=dtype, max_kv_tokens=KV_TOKENS, **quantized)
     with Engine(config) as engine:
         timer = PhaseTimer(engine) if profile else None
         profiles = []
@@ -198,6 +210,20 @@ def flowlang_http_run(spec: dict, dtype: str) -> dict:
         server.close()
 
 
+def vllm_http_run(python: str, spec: dict, dtype: str) -> dict:
+    """W1 on `vllm serve` over HTTP (vllm_server.py), in this process, as flowlang_http_run."""
+    from vllm_server import VllmServer
+
+    from runtime.model.loader import load_tokenizer
+
+    convs = [Conversation(**c) for c in spec["conversations"]]
+    server = VllmServer(python, spec["model"], dtype)
+    try:
+        return drive_rounds(load_tokenizer(spec["model"]), convs, server.complete)
+    finally:
+        server.close()
+
+
 def w1_spec(num_users: int) -> dict:
     from programs import support_agent
     from runtime.model.loader import load_tokenizer
@@ -232,8 +258,9 @@ def summarize(runs: dict[tuple[str, str], list[dict]], dtypes: list[str]) -> Non
         )
     peers = [(e, d) for e, d in walls if e == "llama.cpp"]
     for dtype in dtypes:
-        for ours in ("flowlang", HTTP_ROW):
-            for other, other_dtype in [("flowlang (before)", dtype), ("vllm", dtype), *peers]:
+        for ours in ("flowlang", HTTP_ROW, *QUANTIZED_ROWS):
+            others = [("flowlang (before)", dtype), ("vllm", dtype), (VLLM_HTTP_ROW, dtype)]
+            for other, other_dtype in [*others, *peers]:
                 if (ours, dtype) in walls and (other, other_dtype) in walls:
                     print_ratio(runs, walls, (ours, dtype), (other, other_dtype))
 
@@ -292,18 +319,34 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help=f"add '{HTTP_ROW}': `flowlang serve` driven over HTTP as llama-server is",
     )
+    parser.add_argument(
+        "--vllm-http",
+        action="store_true",
+        help=f"add '{VLLM_HTTP_ROW}': `vllm serve` (--vllm-python's venv) over HTTP",
+    )
+    parser.add_argument(
+        "--quantized-rows",
+        action="store_true",
+        help=f"add {', '.join(QUANTIZED_ROWS)}: flowlang on the GGUF's blocks",
+    )
+    parser.add_argument("--flowlang-mode", default="", help=argparse.SUPPRESS)
     add_worker_args(parser)
     return parser.parse_args()
 
 
 def run_one(args: argparse.Namespace, engines: dict, engine: str, dtype: str, spec_path: Path):
-    """One engine's W1 run: `flowlang serve` over HTTP from here, the others in a worker."""
+    """One engine's W1 run: `flowlang serve` or `vllm serve` over HTTP from here, the others in
+    a worker."""
     if engine == HTTP_ROW:
         return flowlang_http_run(json.loads(spec_path.read_text()), dtype)
+    if engine == VLLM_HTTP_ROW:
+        return vllm_http_run(args.vllm_python, json.loads(spec_path.read_text()), dtype)
     code = args.baseline if engine == "flowlang (before)" else None
     python = engines.get(engine, sys.executable)
     worker = "flowlang" if engine.startswith("flowlang") else engine
     extra = ("--profile",) if args.profile else ()
+    if engine in QUANTIZED_ROWS:
+        extra += ("--flowlang-mode", QUANTIZED_ROWS[engine])
     return run_worker(__file__, python, engine, worker, spec_path, dtype, extra, pythonpath=code)
 
 
@@ -314,7 +357,7 @@ def main() -> None:
         if args.worker == "vllm":
             record = vllm_worker(spec, args.dtype)
         else:
-            record = flowlang_worker(spec, args.dtype, args.profile)
+            record = flowlang_worker(spec, args.dtype, args.profile, args.flowlang_mode)
         args.out.write_text(json.dumps(record))
         return
     engines = {"flowlang": sys.executable}
@@ -326,6 +369,8 @@ def main() -> None:
     for repeat in range(args.repeats):
         names = [*engines, "flowlang (before)"] if args.baseline else list(engines)
         names += [HTTP_ROW] if args.flowlang_http else []
+        names += [VLLM_HTTP_ROW] if args.vllm_http and args.vllm_python else []
+        names += list(QUANTIZED_ROWS) if args.quantized_rows else []
         order = names if repeat % 2 == 0 else list(reversed(names))
         for dtype in args.dtypes:
             for engine in order:

@@ -34,14 +34,17 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start(cmd: list[str], url: str, env: dict | None = None, timeout: float = 600):
+def start(cmd: list[str], url: str, env: dict | None = None, timeout: float = 600, log=None):
+    """`cmd` started, once `url` answers /v1/models. `log`: a file for its stderr (a server
+    that logs as it serves would fill a pipe nobody reads and stall), default a pipe."""
     proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=log or subprocess.PIPE, text=True
     )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
+            tail = proc.stderr.read() if log is None else Path(log.name).read_text()
+            raise RuntimeError(f"server exited: {tail[-2000:]}")
         try:
             if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
                 return proc

@@ -66,6 +66,7 @@ class FusedDecoder:
             self._types,
             self._n_out,
             [int(linear.block_rows_alike) for linear in self._linears],
+            [int(linear.block_quantize_x) for linear in self._linears],
             step.pool.k,
             step.pool.v,
             step.out_slots,

@@ -124,7 +124,10 @@ class Linear:
     batch-invariant forward, however many. `blocks`: the same weight as GGUF block rows, part
     by part (runtime/model/gguf_blocks.py's linear_blocks); where the CPU runs the block GEMM,
     the panel rows go through it on those bytes (activations as given: the panel's result up
-    to summation order) and no panel copy is kept."""
+    to summation order) and no panel copy is kept. With `block_quantize_x` (EngineConfig.
+    quantize_activations) every row takes the blocks, each row's activations rounded to int8
+    per block of 32 (llama.cpp's Q8_0/Q8_1): int8 dot products beat the dense GEMM over the
+    dequantized weight at every row count measured (RESULTS.md), so prefill rows take them too."""
 
     def __init__(
         self,
@@ -152,6 +155,7 @@ class Linear:
         # every row summed as it would be alone (csrc/quant_gemm.cpp's passes of 2 rows): what
         # a batch-invariant or speculating engine needs, as the panel GEMM always does
         self.block_rows_alike = False
+        self.block_quantize_x = False  # set only where there are blocks (ModelRunner)
         self.panels = None  # not built beside blocks: it would hold the weight a third time
         if self._native is not None and self.quant is None:
             self.panels = self._native.panel_pack(weight)
@@ -179,6 +183,8 @@ class Linear:
         or block GEMM."""
         if self._native is None or rows == 0:
             return False
+        if self.block_quantize_x:
+            return True  # every row on the blocks
         routes = _routes.get()
         if routes is not None and self.logits:
             return True
@@ -204,7 +210,13 @@ class Linear:
     def _block_gemm(self, x: torch.Tensor) -> torch.Tensor:
         packed, ggml_type = self.quant
         return self._native.quant_gemm(
-            x, packed, ggml_type, self.bias, self.out_features, False, self.block_rows_alike
+            x,
+            packed,
+            ggml_type,
+            self.bias,
+            self.out_features,
+            self.block_quantize_x,
+            self.block_rows_alike,
         )
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:

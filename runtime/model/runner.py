@@ -15,7 +15,7 @@ from runtime.model.attention import make_attention_backend
 from runtime.model.batch import ForwardBatch
 from runtime.model.cuda_graph import DecodeGraphs
 from runtime.model.gguf_blocks import Blocks
-from runtime.model.linear import decode_shaped, routed_rows
+from runtime.model.linear import Linear, decode_shaped, routed_rows
 from runtime.model.llama import LlamaModel
 from runtime.model.loader import load_checkpoint
 
@@ -58,6 +58,8 @@ class ModelRunner:
             # verified drafts and invariant batches need each row summed as it is alone
             for linear in self.model.linears():
                 linear.block_rows_alike = True
+        if config.quantize_activations:
+            quantize_activations(self.model.linears())
         # decode graphs on CUDA for dense models (the experts' routing syncs with the host)
         graphs = not config.disable_cuda_graph and self.device.type == "cuda"
         graphs = graphs and arch.num_experts == 0
@@ -122,3 +124,17 @@ def _checked_device(name: str) -> torch.device:
                 f"use --device cpu{' or another index' if count else ''}"
             )
     return device
+
+
+def quantize_activations(linears: list[Linear]) -> None:
+    """Every row of each Linear on blocks rounds its activations to int8 per block (the config
+    field quantize_activations); an engine with no blocks is refused, not run as asked for
+    something it does not do."""
+    on_blocks = [linear for linear in linears if linear.quant is not None]
+    if not on_blocks:
+        raise UsageError(
+            "quantize_activations: no weights on GGUF blocks here (a GGUF model with "
+            "gguf_blocks, or quantize=..., on a CPU with AVX-512 VNNI/BF16)"
+        )
+    for linear in on_blocks:
+        linear.block_quantize_x = True

@@ -55,11 +55,12 @@ struct Projection {
   int64_t type;
   int64_t n_out;
   bool rows_alike;
+  bool quantize_x;  // activations rounded to int8 per block (quant_gemm's path (b))
 
   at::Tensor operator()(const at::Tensor& x) const {
     const OptTensor no_bias;
     if (type < 0) return kernels().panel_gemm.call(x, weight, no_bias, n_out);
-    return kernels().quant_gemm.call(x, weight, type, no_bias, n_out, false, rows_alike);
+    return kernels().quant_gemm.call(x, weight, type, no_bias, n_out, quantize_x, rows_alike);
   }
 };
 
@@ -99,7 +100,8 @@ at::Tensor layer(const at::Tensor& x, at::Tensor& residual, const Shape& s,
 
 Pair decode_layers(const at::Tensor& residual_in, at::TensorList norms, at::TensorList weights,
                    at::IntArrayRef types, at::IntArrayRef n_out, at::IntArrayRef rows_alike,
-                   at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& out_slots,
+                   at::IntArrayRef quantize_x, at::TensorList k_pools, at::TensorList v_pools,
+                   const at::Tensor& out_slots,
                    const at::Tensor& slots, const at::Tensor& kv_indptr,
                    const at::Tensor& qo_indptr, const at::Tensor& cos, const at::Tensor& sin,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
@@ -112,9 +114,9 @@ Pair decode_layers(const at::Tensor& residual_in, at::TensorList norms, at::Tens
               norms.size(), " for ", num_layers, " layers");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * num_layers &&
                   types.size() == weights.size() && n_out.size() == weights.size() &&
-                  rows_alike.size() == weights.size(),
+                  rows_alike.size() == weights.size() && quantize_x.size() == weights.size(),
               "decode_layers: four projections per layer (qkv, o, gate_up, down), each with a "
-              "type, an output count and a rows_alike flag, expected");
+              "type, an output count, a rows_alike and a quantize_x flag, expected");
   TORCH_CHECK(residual_in.dim() == 2 && residual_in.is_contiguous(),
               "decode_layers: the residual must be a contiguous (rows, hidden) tensor");
   const Kernels& K = kernels();
@@ -123,12 +125,11 @@ Pair decode_layers(const at::Tensor& residual_in, at::TensorList norms, at::Tens
   at::Tensor x = K.rms_norm.call(residual, norms[0], eps);
   for (int64_t i = 0; i < num_layers; ++i) {
     if (i) std::tie(x, residual) = K.add_rms_norm.call(x, residual, norms[2 * i], eps);
-    const Projection proj[4] = {
-        {weights[4 * i], types[4 * i], n_out[4 * i], rows_alike[4 * i] != 0},
-        {weights[4 * i + 1], types[4 * i + 1], n_out[4 * i + 1], rows_alike[4 * i + 1] != 0},
-        {weights[4 * i + 2], types[4 * i + 2], n_out[4 * i + 2], rows_alike[4 * i + 2] != 0},
-        {weights[4 * i + 3], types[4 * i + 3], n_out[4 * i + 3], rows_alike[4 * i + 3] != 0},
+    const auto projection = [&](int64_t j) {
+      return Projection{weights[j], types[j], n_out[j], rows_alike[j] != 0, quantize_x[j] != 0};
     };
+    const Projection proj[4] = {projection(4 * i), projection(4 * i + 1), projection(4 * i + 2),
+                                projection(4 * i + 3)};
     x = layer(x, residual, shape, proj, norms[2 * i + 1], k_pools[i], v_pools[i], out_slots,
               slots, kv_indptr, qo_indptr, cos, sin);
   }
@@ -139,8 +140,8 @@ Pair decode_layers(const at::Tensor& residual_in, at::TensorList norms, at::Tens
 
 TORCH_LIBRARY_FRAGMENT(flowlang, m) {
   m.def("decode_layers(Tensor residual, Tensor[] norms, Tensor[] weights, int[] types, "
-        "int[] n_out, int[] rows_alike, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, "
-        "Tensor out_slots, "
+        "int[] n_out, int[] rows_alike, int[] quantize_x, Tensor(a!)[] k_pools, "
+        "Tensor(b!)[] v_pools, Tensor out_slots, "
         "Tensor slots, Tensor kv_indptr, Tensor qo_indptr, Tensor cos, Tensor sin, "
         "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int kv_chunk) "
         "-> (Tensor, Tensor)");
