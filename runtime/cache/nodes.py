@@ -110,3 +110,24 @@ def owner_of(namespace: Namespace) -> Hashable:
     there), the namespace itself if it is no string. Namespaces, hints and remembered program
     branches are bounded per owner."""
     return namespace.split("/", 1)[0] if isinstance(namespace, str) else namespace
+
+
+def current_edge(node: TreeNode, prefix_len: int) -> TreeNode:
+    """The node whose edge holds a position's end now: `node` or an ancestor (its edge split
+    since the position was taken)."""
+    while node.parent is not None and node.parent.depth >= prefix_len:
+        node = node.parent
+    return node
+
+
+def unlocked_on_path(node: TreeNode, prefix_len: int) -> int:
+    """Tokens on the path to a position (`node`, `prefix_len`) that no lock holds."""
+    node = current_edge(node, prefix_len)
+    if node.parent is None or node.evicted or node.lock_ref:
+        return 0  # (a lock holds its whole path to the root)
+    unlocked = prefix_len - (node.depth - len(node.key))  # its edge, up to the position
+    node = node.parent
+    while node.parent is not None and not node.lock_ref:
+        unlocked += len(node.key)
+        node = node.parent
+    return unlocked

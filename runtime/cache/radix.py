@@ -34,7 +34,9 @@ from runtime.cache.nodes import (  # (re-exported: the tree's types, imported fr
     RootNode,
     TreeNode,
     TreePosition,
+    current_edge,
     owner_of,
+    unlocked_on_path,
 )
 from runtime.cache.policy_base import EvictionPolicy
 from runtime.cache.radix_checks import check_new_slots, check_roots, check_slots, tally_tree
@@ -250,16 +252,7 @@ class RadixCache:
         """Tokens up to a current `position` that no lock holds: what lock(position) moves
         out of evictable_size. Admission counts them as its reader's own: once it is admitted
         they are locked, and so no room for its new tokens."""
-        prefix_len = position.prefix_len
-        node = _current_edge(position.node, prefix_len)
-        if node.parent is None or node.evicted or node.lock_ref:
-            return 0  # (a lock holds its whole path to the root)
-        unlocked = prefix_len - (node.depth - len(node.key))  # its edge, up to the position
-        node = node.parent
-        while node.parent is not None and not node.lock_ref:
-            unlocked += len(node.key)
-            node = node.parent
-        return unlocked
+        return unlocked_on_path(position.node, position.prefix_len)
 
     def resolve(self, position: TreePosition) -> TreeNode:
         """The node a (locked, or otherwise split) position ends at exactly."""
@@ -392,7 +385,7 @@ class RadixCache:
             node, prefix_len = where, where.depth
         else:
             node, prefix_len = where.node, where.prefix_len
-        node = _current_edge(node, prefix_len)
+        node = current_edge(node, prefix_len)
         if node.parent is None:
             return node  # a root (maybe dropped since): nothing to lock, nothing stale
         if node.evicted:
@@ -519,11 +512,3 @@ def _as_key(token_ids: Sequence[int]) -> tuple[int, ...]:
     if isinstance(token_ids, torch.Tensor):
         return tuple(token_ids.tolist())
     return token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
-
-
-def _current_edge(node: TreeNode, prefix_len: int) -> TreeNode:
-    """The node whose edge holds a position's end now: `node` or an ancestor (its edge split
-    since the position was taken)."""
-    while node.parent is not None and node.parent.depth >= prefix_len:
-        node = node.parent
-    return node
