@@ -16,6 +16,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+# with work that cannot run now, the loop looks again after this, or at the next command (a
+# request back from its tool, an abort) if that comes sooner
+IDLE_POLL_S = 0.001
+
 
 class EngineLoop:
     """Runs `step()` while `has_work()`, and commands in between, on a daemon thread."""
@@ -74,7 +78,8 @@ class EngineLoop:
 
     def _once(self) -> bool:
         """Pending commands, then one step; False once stopped."""
-        self._drain(block=not self._has_work())
+        # (once stopping, never block: the idle wait below may have taken stop's wake-up)
+        self._drain(block=not self._has_work() and not self._stop.is_set())
         if self._stop.is_set() and self._commands.empty():
             return False
         if not self._has_work():
@@ -84,13 +89,13 @@ class EngineLoop:
         except Exception:  # noqa: BLE001 - a failed step fails its requests, not the engine
             self._on_step_error(f"engine step failed: {log_failure('engine step failed')}")
             progressed = True
-        if not progressed:
-            self._stop.wait(0.001)
+        if not progressed:  # work waits (for memory, a return): the next command, or 1 ms
+            self._drain(block=True, timeout_s=IDLE_POLL_S)
         return True
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, block: bool, timeout_s: float | None = None) -> None:
         try:
-            command = self._commands.get(block=block)
+            command = self._commands.get(block=block, timeout=timeout_s)
         except queue.Empty:
             return
         while True:

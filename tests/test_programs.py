@@ -145,6 +145,37 @@ def test_while_others_run_a_program_joins_only_where_its_steps_cost_more_than_re
         assert sched.counters["program_entries_deferred"] == int(not joins)
 
 
+def test_a_waiting_program_enters_once_the_engine_idled_as_long_as_its_recompute_takes():
+    """A (paused, kept, back in 50 s) and C (running) are in; B does not fit beside A's kept
+    path, and recomputing what it evicts (0.1 s a token) costs more than C's steps would save
+    it: B waits. If the engine sits idle between C's steps (1 s each: C's client is slow), B
+    enters once those idle seconds reach that recompute (ski rental), not before; if the
+    engine is never idle, B waits until C is done."""
+    entered_after_idle_s = {}
+    for idle_gap_s in (1.0, 0.0):
+        sched = scheduler(POOL, eviction_policy="graph")
+        now = with_clock(sched)
+        sched.idle.clock = sched.lookahead.clock  # the engine idles on the test's clock
+        priced(sched, 0.1)
+        sched.add(program_req("a1", ids(1, 120), "A", after_s=50.0))
+        run(sched)
+        c = program_req("c1", ids(6, 10), "C", after_s=None, new=60)
+        sched.add(c)
+        step(sched)
+        b = program_req("b1", ids(2, 110), "B", after_s=None, new=20)
+        sched.add(b)
+        while b.rid in sched.waiting and c in sched.running:
+            now[0] += idle_gap_s
+            step(sched)
+        entered_after_idle_s[idle_gap_s] = sched.idle.total_s()
+        assert sched.counters["program_entries_deferred"] > 0
+        priced_entry = sched.counters["programs_entered_priced"] == 1
+        assert priced_entry is (idle_gap_s > 0) and (c in sched.running) is (idle_gap_s > 0)
+    # the price: 0.1 s for each kept token B evicts, at least A's tokens beyond the free room
+    assert 5.0 < entered_after_idle_s[1.0] < 30.0
+    assert entered_after_idle_s[0.0] == 0.0
+
+
 def test_a_late_program_is_not_waited_for():
     sched, a, b = paused_a_then_new_b(per_token_s=0.1)
     sched.lookahead.clock = lambda: 5.0 + 2.0  # A is 2 s past its declared return

@@ -1,6 +1,7 @@
-"""StepTime: the measured cost of a step per computed token (shared steps' length)."""
+"""StepTime: the measured cost of a step per computed token (shared steps' length); IdleTime:
+the seconds the engine sat between steps."""
 
-from runtime.scheduler.step_time import StepTime
+from runtime.scheduler.step_time import IdleTime, StepTime
 
 
 def test_the_fit_finds_a_steps_fixed_cost_and_its_cost_per_token():
@@ -25,3 +26,18 @@ def test_the_fit_follows_the_machine_when_steps_get_slower():
         step_time.observe(tokens, 0.010 + 0.001 * tokens)
     slow = step_time.tokens_within(0.080)
     assert fast > 700 and 60 <= slow <= 75
+
+
+def test_idle_time_counts_the_gaps_between_steps_not_the_steps():
+    now = [0.0]
+    idle = IdleTime()
+    idle.clock = lambda: now[0]
+    assert idle.total_s() == 0.0  # no step seen yet
+    for start_s, end_s in ((1.0, 1.5), (3.0, 3.25), (3.25, 4.0)):
+        now[0] = start_s
+        idle.step_started()
+        now[0] = end_s
+        idle.step_ended()
+    assert idle.total_s() == 1.5  # 1.5 -> 3.0; back to back after that
+    now[0] = 6.0
+    assert idle.total_s() == 3.5  # the gap since the last step counts while it lasts

@@ -162,9 +162,11 @@ class AdmissionPass:
         """A program that does not fit beside the kept KV enters anyway when that is cheaper
         than recomputing the `short` tokens it evicts: with nothing running, than waiting for
         the soonest return; with others running, than the steps it would later run alone."""
-        programs = self.programs
+        programs, now_s = self.programs, self.s.lookahead.now_s
+        if programs.idled_past_recompute(req, short):
+            return True
         if not self.s.running and not self.entries:
-            return programs.waiting_costs_more(short, self.s.lookahead.now_s)
+            return programs.waiting_costs_more(short, now_s)
         return programs.joining_costs_less(req, short)
 
     def fits(self, req: Req) -> Verdict:

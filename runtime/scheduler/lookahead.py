@@ -28,7 +28,7 @@ from runtime.scheduler.branches import BranchTable, branch_key, future_tokens
 from runtime.scheduler.kv import KVManager
 from runtime.scheduler.programs import NoPrograms, ProgramGate
 from runtime.scheduler.request import Req
-from runtime.scheduler.step_time import StepTime
+from runtime.scheduler.step_time import IdleTime, StepTime
 from runtime.scheduler.ttl_pins import NoTtlPins, TtlPins
 
 PREFETCH_QUEUE_DEPTH = 16  # waiting requests, in admission order, whose disk chunks are prefetched
@@ -41,13 +41,15 @@ DISK_WAIT_S = 2.0
 class Lookahead:
     """Paused branches, declared returns, prefetching and disk waits (see the module)."""
 
-    def __init__(self, kv: KVManager, step_time: StepTime, config: EngineConfig) -> None:
+    def __init__(
+        self, kv: KVManager, step_time: StepTime, idle: IdleTime, config: EngineConfig
+    ) -> None:
         self.kv = kv
         # admission holds back requests that would evict KV a known reader needs soon
         self.keeps_wanted = kv.marks.keeps_wanted
         # programs as the unit of admission (programs.py): with eviction that keeps their KV
         gated = config.program_admission and self.keeps_wanted
-        self.programs = ProgramGate(kv, step_time) if gated else NoPrograms()
+        self.programs = ProgramGate(kv, step_time, idle) if gated else NoPrograms()
         ttl_s = config.tool_pin_ttl_s  # Continuum's fixed pin at tool calls (ttl_pins.py)
         self.ttl_pins = TtlPins(kv.cache, ttl_s) if ttl_s > 0 else NoTtlPins()
         # seconds; times when paused branches are expected back (benchmarks set a simulated one)

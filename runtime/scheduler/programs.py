@@ -32,7 +32,11 @@ programs in to share them. On the default model (t0 worth 15-100 recomputed toke
 evict thousands) that keeps the gate as it was; on the tiny model (t0 worth ~36) it lets a few
 in, and the gate still runs more steps than lru there (RESULTS.md). (Pricing the wait by the
 running tokens alone, whatever the recompute, let 365 programs in on the default model: 1.63x
-the bound instead of 1.20x.)
+the bound instead of 1.20x.) And whether others run or not, a waiting program enters once the
+engine has sat idle since it arrived for as long as recomputing what it evicts would take (ski
+rental, `idled_past_recompute`): on the tiny model the engine idles about half the time while
+programs wait on tools and clients, and a program held out of an idle engine was the gate's
+loss against lru there; on the default model the engine does not idle and nothing changes.
 
 `NoPrograms` is the gate turned off (`program_admission=False`, or eviction that knows no
 future): every request is its own program and nothing is held.
@@ -51,7 +55,7 @@ from runtime.protocol import MAX_HINT_RETURN_S
 from runtime.scheduler.branches import MAX_BRANCHES, BranchTable, branch_key
 from runtime.scheduler.program_service import ProgramRecord
 from runtime.scheduler.request import Req
-from runtime.scheduler.step_time import StepTime
+from runtime.scheduler.step_time import IdleTime, StepTime
 
 if TYPE_CHECKING:
     from runtime.cache.nodes import TreeNode, TreePosition
@@ -83,9 +87,10 @@ class Paused(NamedTuple):
 class ProgramGate:
     """The programs in, their kept paths, and who enters next (see the module docstring)."""
 
-    def __init__(self, kv: KVManager, step_time: StepTime) -> None:
+    def __init__(self, kv: KVManager, step_time: StepTime, idle: IdleTime) -> None:
         self.kv = kv
         self.step_time = step_time
+        self.idle = idle  # the engine's idle seconds: what a waiting program wastes
         # program key -> record, the least recently seen first; at most MAX_BRANCHES (a
         # client naming a new program per request keeps no more)
         self.programs: OrderedDict[tuple, ProgramRecord] = OrderedDict()
@@ -236,6 +241,19 @@ class ProgramGate:
             return True  # unmeasured, or every paused program is late: do not idle on a guess
         wait_s = min(max(0.0, min(expected) - now_s), MAX_HINT_RETURN_S)
         return fit[1] * evicts_tokens < wait_s
+
+    def idled_past_recompute(self, req: Req, evicts_tokens: int) -> bool:
+        """Whether the engine has sat idle, while `req` waited, as long as recomputing the
+        `evicts_tokens` of kept KV its entry evicts would take: then it enters. Ski rental:
+        waiting is rent, paid in compute the engine leaves unused; entering is the purchase,
+        paid in compute spent again. Entering once the rent paid covers the price costs at
+        most twice the better of waiting it out and entering at once, whatever the wait
+        would have been. Where compute is the bottleneck the engine does not idle: it waits."""
+        fit = self.step_time.fit()
+        if fit is None:
+            return False
+        idled_s = self.idle.total_s() - req.queue.idle_at_arrival_s
+        return idled_s >= fit[1] * evicts_tokens
 
     def joining_costs_less(self, req: Req, evicts_tokens: int) -> bool:
         """Others run: whether `req` joining their steps now saves more step time than

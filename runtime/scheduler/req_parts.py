@@ -56,6 +56,9 @@ class QueuePlace:
     yielded: bool = False
     match_pos: TreePosition | None = None
     match_version: int = -1
+    # the engine's idle seconds (IdleTime) when it last joined the queue: how long the engine
+    # has sat idle while it waited is the difference
+    idle_at_arrival_s: float = 0.0
 
     @property
     def match_len(self) -> int:

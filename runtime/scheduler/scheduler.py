@@ -48,7 +48,7 @@ from runtime.scheduler.prompt_logits import PromptLogits
 from runtime.scheduler.request import Req, ReqKind, ReqStatus
 from runtime.scheduler.shares import OwnerActivity, fair_share_victims_of, step_tokens
 from runtime.scheduler.stats import scheduler_stats
-from runtime.scheduler.step_time import StepTime
+from runtime.scheduler.step_time import IdleTime, StepTime
 
 if TYPE_CHECKING:
     from runtime.verify import EntryOutcome
@@ -71,7 +71,9 @@ class Scheduler:
         self.pins: dict[str, Req] = {}
         self.kv, self.policy = build_kv(config, num_slots, tiers, self.waiting)
         self.step_time = StepTime()  # what a computed token costs: shared steps' length
-        self.lookahead, self.activity = Lookahead(self.kv, self.step_time, config), OwnerActivity()
+        self.idle = IdleTime()  # time between steps: compute a waiting request could have had
+        self.lookahead = Lookahead(self.kv, self.step_time, self.idle, config)
+        self.activity = OwnerActivity()
         shares = self.kv.cache.can_share  # (a row is used with a whole-prompt hit)
         self.prompt_logits = PromptLogits(config.reuse_prompt_logits if shares else 0)
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
@@ -86,6 +88,7 @@ class Scheduler:
     # ------------------------------------------------------------------ intake
     def add(self, req: Req) -> None:
         req.status = ReqStatus.WAITING
+        req.queue.idle_at_arrival_s = self.idle.total_s()
         self.waiting[req.rid] = req
         self.lookahead.arrived(req)
         self.activity.saw(req)
@@ -111,6 +114,7 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> ScheduledBatch | None:
         """The next batch, with every slot it writes allocated; None if nothing can run."""
+        self.idle.step_started()  # (a step ends with `process`)
         self.lookahead.read_clock()
         self._abort_expired()
         self.lookahead.prefetch(self.kv.queued_reads.matches())  # (read lazily: a few at most)
@@ -294,6 +298,7 @@ class Scheduler:
                 self.complete(req)
         ratio = self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, ratio)
+        self.idle.step_ended()
 
     def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
         self.drafter.observe_step(batch.entries, seconds)

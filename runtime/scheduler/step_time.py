@@ -7,9 +7,15 @@ model ~40 ms, on a GPU well under one), c what each token adds. The line is fitt
 seen, with exponential decay (the machine's load and the contexts' lengths change). A token
 budget fixed in tokens is wrong on every machine but one: 64 tokens are ~0.15 s on 2 cores and
 nothing on an H100. A budget in seconds, turned into tokens by this fit, holds on both.
+
+IdleTime: the seconds the engine sat between steps, so that a program held out of an engine
+that idles can tell what its wait wastes (programs.py).
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 DECAY = 0.95  # per observed step: about the last 20 steps count
 MIN_STEPS = 4.0  # (decayed) steps before a fit is trusted
@@ -53,3 +59,31 @@ class StepTime:
             return None
         t0, per_token_s = fit
         return max(0, int((seconds - t0) / per_token_s))
+
+
+class IdleTime:
+    """Seconds the engine has sat between steps (a step: from scheduling it to its outputs
+    processed), in all: time a request waits while the engine idles is compute it could have
+    had. Near none where compute is what requests wait for (the default model on 2 cores);
+    about half the time where they wait on their tools and clients (the tiny model on the
+    agent family)."""
+
+    def __init__(self) -> None:
+        self.clock: Callable[[], float] = time.monotonic  # (tests move a fake one)
+        self._idle_s = 0.0
+        self._step_start_s = 0.0
+        self._last_end_s: float | None = None
+
+    def step_started(self) -> None:
+        self._step_start_s = self.clock()
+
+    def step_ended(self) -> None:
+        if self._last_end_s is not None:
+            self._idle_s += max(0.0, self._step_start_s - self._last_end_s)
+        self._last_end_s = self.clock()
+
+    def total_s(self) -> float:
+        """Idle seconds until now, the gap since the last step included."""
+        if self._last_end_s is None:
+            return 0.0
+        return self._idle_s + max(0.0, self.clock() - self._last_end_s)
