@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import runtime.loop as loop_module
 from runtime.loop import EngineLoop
 
 
@@ -31,9 +32,10 @@ def test_stop_returns_when_its_last_command_ends_work_that_could_not_run():
     assert not stopper.is_alive(), "stop hung"
 
 
-def test_a_command_wakes_a_loop_whose_work_cannot_run():
+def test_a_command_wakes_a_loop_whose_work_cannot_run(monkeypatch):
     """Work that cannot run waits for the next command (a request back from its tool), not a
-    fixed sleep: the command runs while the loop polls."""
+    fixed sleep: with the poll stretched to a minute, a posted command still runs at once."""
+    monkeypatch.setattr(loop_module, "IDLE_POLL_S", 60.0)
     ran = threading.Event()
     loop = EngineLoop(lambda: False, lambda: True, lambda message: None)
     loop.post(ran.set)
