@@ -79,8 +79,13 @@ class EngineConfig(BaseModel):
     schedule_policy: str = Field(
         "fcfs", description="the order in which waiting requests are admitted"
     )
+    # graph since issue 52 (item 7): it computed 0.21-0.91x lru's prefill in every run_batch,
+    # paced and agent-trace cell, in as little time or less (RESULTS.md); `lru` is a flag away
     eviction_policy: str = Field(
-        "lru", description="which cached prefixes go first when the KV pool is full"
+        "graph",
+        description="which cached prefixes go first when the KV pool is full: graph (the "
+        "farthest next use the engine knows of; with program_admission, programs enter whole) "
+        "or lru, lfu, ...",
     )
     disable_radix_cache: bool = Field(
         False, description="cache no prefixes: every request computes its whole prompt"

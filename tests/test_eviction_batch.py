@@ -7,6 +7,8 @@ invariants hold after every step. Plus the pieces: wanted marks, their grace, th
 from __future__ import annotations
 
 import random
+from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,6 +21,8 @@ from runtime.cache.replay import replay, working_set
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.engine_tools import cache_trace
+from runtime.protocol import GraphHints
+from runtime.scheduler.lookahead import WorkAhead
 
 SAMPLING = {"ignore_eos": True, "temperature": 0.0}
 
@@ -162,3 +166,34 @@ def test_the_hints_say_what_a_conversation_still_adds(tiny_model_dir):
     assert last is None
     assert first > second > 2 * 6  # two more replies of 6 tokens, and their questions
     assert first - second == pytest.approx(second, abs=4)  # turns of about equal size
+
+
+class _Lookahead:
+    """What WorkAhead reads of the lookahead: the pool's size and the hinted work ahead."""
+
+    def __init__(self, num_slots: int, ahead: dict) -> None:
+        self.kv = SimpleNamespace(allocator=SimpleNamespace(num_slots=num_slots))
+        self._ahead = Counter(ahead)
+
+    def tokens_ahead(self, running) -> Counter:
+        return Counter(self._ahead)
+
+
+def _request(namespace: str, num_tokens: int, future: int = 0) -> SimpleNamespace:
+    hints = GraphHints(program_id="p", continuation=True, future_tokens=future)
+    return SimpleNamespace(namespace=namespace, num_tokens=num_tokens, hints=hints)
+
+
+def test_an_owners_own_work_ahead_counts_whole_and_anothers_only_within_its_share():
+    """A run_batch is one owner: its running conversations' later turns (hinted) hold its new
+    ones back even beyond what the pool has left beside them (capped there, the 48 x 3 batch
+    at 35% computed 28,880 tokens instead of 23,416); another owner's hints count only up to
+    its share of the pool less what it holds, so they never hold this owner's requests."""
+    running = [_request("ka", 700)]
+    ahead = WorkAhead(_Lookahead(1_000, {"ka": 900}), running)
+    assert ahead.future_tokens(_request("ka/s", 50, future=100)) == 900 + 100
+    # kb's share is 500 of the 1,000 slots; ka holds 700 of them: none of ka's hints count
+    assert ahead.future_tokens(_request("kb", 50, future=40)) == 40
+    ahead.admitted(_request("kb", 300, future=60))  # kb holds 300 now, hints 60
+    assert ahead.future_tokens(_request("ka", 10)) == 900 + 60
+    assert ahead.future_tokens(_request("kb", 10, future=5)) == 60 + 5

@@ -37,7 +37,16 @@ GREEDY = SamplingParams(max_new_tokens=REPLY_LEN, ignore_eos=True, temperature=0
 
 
 def config(**settings) -> EngineConfig:
-    base = {"model": "random:tiny", "max_kv_tokens": POOL_TOKENS, "attention_backend": "torch"}
+    # the tiers' mechanics, under lru: its counters are the same run after run, and it pushes a
+    # paused branch down to disk (graph, the default, keeps a declared return in the upper
+    # tiers and prices program entries by measured time; graph with tiers: agent_trace_bench's
+    # "programs + host tier" row, test_hostile_round4_state.py)
+    base = {
+        "model": "random:tiny",
+        "max_kv_tokens": POOL_TOKENS,
+        "attention_backend": "torch",
+        "eviction_policy": "lru",
+    }
     return EngineConfig(**{**base, **settings})
 
 
