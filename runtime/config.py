@@ -80,7 +80,8 @@ class EngineConfig(BaseModel):
         "fcfs", description="the order in which waiting requests are admitted"
     )
     # graph since issue 52 (item 7): it computed 0.21-0.91x lru's prefill in every run_batch,
-    # paced and agent-trace cell, in as little time or less (RESULTS.md); `lru` is a flag away
+    # paced and agent-trace cell, as fast as lru within run-to-run noise or faster (RESULTS.md);
+    # `lru` is a flag away
     eviction_policy: str = Field(
         "graph",
         description="which cached prefixes go first when the KV pool is full: graph (the "
