@@ -160,6 +160,7 @@ class Program:
         min_shared_tokens: int = 32,
         sampling: SamplingParams | Mapping[str, Any] | None = None,
         results: str | os.PathLike | None = None,
+        priority: Callable[[Mapping[str, Any]], int] = lambda _args: 0,
     ) -> list[ProgramState | InstanceError | RecordedRun]:
         """Run many instances concurrently. Every instance is compiled first and the shared
         prefixes of the whole batch are pinned (each prefilled once); a pin is released when
@@ -171,7 +172,13 @@ class Program:
 
         `results`: a file each finished instance is appended to as it ends (durable); a rerun
         with the same file runs only the instances not in it, and gives back the others as
-        RecordedRun (their variables and return value read back)."""
+        RecordedRun (their variables and return value read back).
+
+        `priority`: each instance's from its arguments, sent with its requests (higher first:
+        the engine's program gate enters programs by it, before least attained service). A
+        pipeline that knows its instances' sizes runs the short ones first this way, e.g.
+        `priority=lambda args: -len(args["steps"])`: programs started together have all
+        computed alike until the short ones end, so the engine cannot tell them apart."""
         outer = current_run()
         backend = backend or (outer.backend if outer is not None else get_default_backend())
         recorded = BatchResults(results, self.name, batch) if results is not None else NoResults()
@@ -181,7 +188,9 @@ class Program:
         plan = backend.plan_batch(instances, namespace)
 
         def run_one(args: Mapping[str, Any], on: Backend) -> ProgramState:
-            return self.run(backend=on, namespace=namespace, sampling=sampling, **args)
+            return self.run(
+                backend=on, namespace=namespace, priority=priority(args), sampling=sampling, **args
+            )
 
         def finished(position: int, state: Any) -> None:
             recorded.record(todo[position], state)

@@ -307,3 +307,21 @@ def test_a_restarted_batch_reads_its_shared_prefix_back_from_the_disk_tier(
     assert "4 completed, 0 failed, 4 already done" in resumed.stderr, resumed.stderr
     loaded = int(re.search(r"\((\d+) loaded from disk\)", resumed.stderr)[1])
     assert loaded >= 100  # the shared prefix (~130 tokens), not computed again
+
+
+def test_run_batch_priority_goes_with_each_instances_requests():
+    """`priority` is each instance's, from its arguments: every request of the instance
+    carries it (the engine's program gate enters programs by it); without it, 0."""
+    batch = [{"topic": t, "lines": n} for t, n in (("sea", 3), ("hill", 1), ("rain", 2))]
+    backend = MockBackend()
+    haiku.run_batch(batch, backend=backend, progress=False, priority=lambda a: -a["lines"])
+    by_program: dict[str, set[int]] = {}
+    for request in backend.requests:
+        by_program.setdefault(request.hints.program_id, set()).add(request.hints.priority)
+    assert sorted(map(len, by_program.values())) == [1, 1, 1]  # one priority per program
+    sizes = sorted((len([r for r in backend.requests if r.hints.program_id == p]), *v)
+                   for p, v in by_program.items())  # fmt: skip
+    assert sizes == [(1, -1), (2, -2), (3, -3)]  # each its own instance's
+    plain = MockBackend()
+    haiku.run_batch(batch, backend=plain, progress=False)
+    assert {r.hints.priority for r in plain.requests} == {0}

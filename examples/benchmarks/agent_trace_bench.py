@@ -29,6 +29,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from agent_traces import PRESETS, AgentBatch, draw_batch, vary
@@ -116,6 +117,16 @@ class PriorityHints(RetryingBackend):
         return super().submit(request.model_copy(update={"hints": hints}))
 
 
+def no_priority(_args: dict) -> int:
+    return 0
+
+
+def shortest_first(args: dict) -> int:
+    """SHORT_FIRST_ROW's run_batch priority: the pipeline declares each agent's size (its
+    rounds), the fewest first."""
+    return -len(args["trace"].rounds)
+
+
 @dataclass(frozen=True)
 class RowResult:
     computed: int  # prefill tokens computed
@@ -151,15 +162,17 @@ def run_row(
     tokenizer,
     capacity: int,
     policy: str,
-    backend_type: type[RetryingBackend] | None = None,
+    backend_type: Callable[..., RetryingBackend] | None = None,
     show_stats: bool = False,
+    priority: Callable[[dict], int] = no_priority,
     **settings,
 ):
-    """The batch through agent_trace.run_batch on a fresh `capacity`-slot engine."""
+    """The batch through agent_trace.run_batch (each instance's `priority` from its
+    arguments) on a fresh `capacity`-slot engine."""
     with make_engine(model, tokenizer, capacity, policy, batch, **settings) as engine:
         recording = bool(settings.get("record_trace"))  # the unbounded row: bounds measured
         backend = (backend_type or RetryingBackend)(engine, record=recording)
-        states, makespan_s = run_timed(batch, backend)
+        states, makespan_s = run_timed(batch, backend, priority)
         engine.check_integrity()
         stats = engine.stats()
         if show_stats:
@@ -179,12 +192,18 @@ def run_row(
         )
 
 
-def run_timed(batch: AgentBatch, backend) -> tuple[list, float]:
+def run_timed(
+    batch: AgentBatch, backend, priority: Callable[[dict], int] = no_priority
+) -> tuple[list, float]:
     """Every agent of the batch through `backend` (each from its arrival): the states and the
     makespan (seconds from the batch's start)."""
     start = time.perf_counter()
     states = agent_trace.run_batch(
-        batch.batch_args(), backend=backend, progress=False, max_workers=len(batch.agents)
+        batch.batch_args(),
+        backend=backend,
+        progress=False,
+        max_workers=len(batch.agents),
+        priority=priority,
     )
     return states, time.perf_counter() - start
 
@@ -225,6 +244,7 @@ def percentile(values: list[float], q: float) -> float:
 # the rows besides the unbounded pool: name -> (eviction, settings); TTL_ROW's pin is the
 # trace's time scale (86% of tool calls return within it), "{host}" the host tier's size
 PROGRAMS_ROW, TTL_ROW = "programs (graph + gate)", "lru + ttl pin"
+SHORT_FIRST_ROW = "programs + short first"
 HOST_ROW, PROGRAMS_HOST_ROW = "lru + host tier", "programs + host tier"
 ROWS = {
     "lru": ("lru", {}),
@@ -232,6 +252,7 @@ ROWS = {
     "priority hints": ("priority", {"schedule_policy": "priority"}),
     TTL_ROW: ("lru", {}),
     PROGRAMS_ROW: ("graph", {}),
+    SHORT_FIRST_ROW: ("graph", {}),
     HOST_ROW: ("lru", {}),
     PROGRAMS_HOST_ROW: ("graph", {}),
 }
@@ -277,7 +298,10 @@ def run_cell_rows(
         policy, settings = ROWS[name]
         settings = {"attention_backend": attention, **settings, **extra.get(name, {})}
         backend = PriorityHints if name == "priority hints" else RetryingBackend
-        rows[name] = run_row(batch, model, tokenizer, pool, policy, backend, show_stats, **settings)
+        priority = shortest_first if name == SHORT_FIRST_ROW else no_priority
+        rows[name] = run_row(
+            batch, model, tokenizer, pool, policy, backend, show_stats, priority, **settings
+        )
     return rows
 
 
