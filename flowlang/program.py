@@ -174,11 +174,7 @@ class Program:
         with the same file runs only the instances not in it, and gives back the others as
         RecordedRun (their variables and return value read back).
 
-        `priority`: each instance's from its arguments, sent with its requests (higher first:
-        the engine's program gate enters programs by it, before least attained service). A
-        pipeline that knows its instances' sizes runs the short ones first this way, e.g.
-        `priority=lambda args: -len(args["steps"])`: programs started together have all
-        computed alike until the short ones end, so the engine cannot tell them apart."""
+        `priority`: each instance's from its arguments, higher first (docs/programs.md)."""
         outer = current_run()
         backend = backend or (outer.backend if outer is not None else get_default_backend())
         recorded = BatchResults(results, self.name, batch) if results is not None else NoResults()
@@ -187,10 +183,10 @@ class Program:
         instances = [batch_instance(self.compile(backend=backend, **dict(batch[i]))) for i in todo]
         plan = backend.plan_batch(instances, namespace)
 
+        run_in = functools.partial(self.run, namespace=namespace, sampling=sampling)
+
         def run_one(args: Mapping[str, Any], on: Backend) -> ProgramState:
-            return self.run(
-                backend=on, namespace=namespace, priority=priority(args), sampling=sampling, **args
-            )
+            return run_in(backend=on, priority=priority(args), **args)
 
         def finished(position: int, state: Any) -> None:
             recorded.record(todo[position], state)
