@@ -24,6 +24,11 @@ from flowlang.tracing import trace
 from runtime.protocol import SamplingParams
 
 
+def no_priority(_args: Mapping[str, Any]) -> int:
+    """run_batch's default priority: every instance alike."""
+    return 0
+
+
 class Program:
     """A flowlang program; create with the `@program` decorator.
 
@@ -160,7 +165,7 @@ class Program:
         min_shared_tokens: int = 32,
         sampling: SamplingParams | Mapping[str, Any] | None = None,
         results: str | os.PathLike | None = None,
-        priority: Callable[[Mapping[str, Any]], int] = lambda _args: 0,
+        priority: Callable[[Mapping[str, Any]], int] = no_priority,
     ) -> list[ProgramState | InstanceError | RecordedRun]:
         """Run many instances concurrently. Every instance is compiled first and the shared
         prefixes of the whole batch are pinned (each prefilled once); a pin is released when

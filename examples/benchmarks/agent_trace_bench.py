@@ -36,6 +36,7 @@ from agent_traces import PRESETS, AgentBatch, draw_batch, vary
 from eviction_cells import TINY_MODEL, load_bench_tokenizer
 
 from flowlang.backends.local import LocalBackend
+from flowlang.program import no_priority
 from programs.agent_trace import agent_trace
 from runtime.cache.replay import working_set
 from runtime.config import EngineConfig
@@ -115,10 +116,6 @@ class PriorityHints(RetryingBackend):
             rank = self._rank.setdefault(program, len(self._rank))
         hints = request.hints.model_copy(update={"priority": -rank})
         return super().submit(request.model_copy(update={"hints": hints}))
-
-
-def no_priority(_args: dict) -> int:
-    return 0
 
 
 def shortest_first(args: dict) -> int:
