@@ -66,13 +66,16 @@ def ids(seed: int, n: int) -> list[int]:
     return [(seed * 31 + 7 * i) % (VOCAB - 3) + 3 for i in range(n)]
 
 
-def paused_a_then_new_b(per_token_s: float, **settings):
+def paused_a_then_new_b(per_token_s: float, b_served_tokens: int = 0, **settings):
     """Program A (120 tokens) pauses on a tool due back in 5 s; then program B (150 new
-    tokens, which the pool holds only by evicting A's) arrives. Returns the scheduler, A's
-    finished request and B."""
+    tokens, which the pool holds only by evicting A's) arrives, having computed
+    `b_served_tokens` in an earlier request. Returns the scheduler, A's finished request and B."""
     sched = scheduler(POOL, eviction_policy="graph", **settings)
     now = with_clock(sched)
     priced(sched, per_token_s)
+    if b_served_tokens:
+        sched.add(program_req("b0", ids(4, b_served_tokens), "B", after_s=None))
+        run(sched)
     a = program_req("a1", ids(1, 120), "A", after_s=5.0)
     sched.add(a)
     run(sched)
@@ -176,6 +179,40 @@ def test_a_waiting_program_enters_once_the_engine_idled_as_long_as_its_recompute
     assert entered_after_idle_s[0.0] == 0.0
 
 
+def test_a_program_of_less_service_displaces_a_paused_one_once_it_has_waited_its_recompute():
+    """PLAS, priced by ski rental: B (no service yet) does not fit beside paused A's kept path
+    (A computed 120 tokens: a lower service level). B waits while its wait is below what
+    recomputing A's path costs (0.1 s a token); once it has waited that long, A is displaced:
+    its path is not kept, B enters, and A's return recomputes what B evicted."""
+    sched, a, b = paused_a_then_new_b(per_token_s=0.1)
+    gate = sched.lookahead.programs
+    step(sched)
+    assert b.rid in sched.waiting and gate.displaced == 0
+    b.usage.submitted_s -= 0.1 * 110  # below the ~124 tokens only A's path holds
+    step(sched)
+    assert b.rid in sched.waiting and gate.displaced == 0
+    b.usage.submitted_s -= 0.1 * 20
+    step(sched)
+    assert b.rid not in sched.waiting and gate.displaced == 1 and not gate.paused
+    back = a_returns(sched, a)
+    assert not gate.is_in(back)  # A enters again, in order
+    run(sched)
+    assert back.usage.cached_tokens < len(a.all_ids) - 1 and b.gen.finished
+
+
+def test_a_program_of_the_same_service_level_displaces_none():
+    """B computed 100 tokens before (the level of A's 120): however long it waits, A's kept
+    path stays; B enters when A is back and done."""
+    sched, a, b = paused_a_then_new_b(per_token_s=0.1, b_served_tokens=100)
+    b.usage.submitted_s -= 1_000.0
+    for _ in range(3):
+        step(sched)
+    assert b.rid in sched.waiting and sched.lookahead.programs.displaced == 0
+    back = a_returns(sched, a)
+    run(sched)
+    assert back.usage.cached_tokens == len(a.all_ids) - 1 and b.gen.finished
+
+
 def test_a_late_program_is_not_waited_for():
     sched, a, b = paused_a_then_new_b(per_token_s=0.1)
     sched.lookahead.clock = lambda: 5.0 + 2.0  # A is 2 s past its declared return
@@ -270,6 +307,24 @@ class ProgramMachine(RuleBasedStateMachine):
     @rule(seconds=st.sampled_from([0.2, 1.0, 4.0, 40.0]))
     def clock(self, seconds):
         self.now += seconds
+
+    @rule(new=st.integers(40, 120))
+    def newcomer_waited_long(self, new):
+        """A program never seen, that has waited past any recompute: it displaces the paused
+        programs of more service that it needs room from."""
+        self.count += 1
+        name = f"N{self.count}"
+        req = program_req(name, ids(self.count, new), name, after_s=None)
+        req.usage.submitted_s -= 100.0
+        self.sched.add(req)
+        step(self.sched)
+
+    @rule(seconds=st.sampled_from([1.0, 10.0, 100.0]))
+    def wait_long(self, seconds):
+        """The waiting requests have waited this much longer (displacing, starvation)."""
+        for req in self.sched.waiting.values():
+            req.usage.submitted_s -= seconds
+        step(self.sched)
 
     @precondition(lambda self: self.sched.waiting or self.sched.running)
     @rule(data=st.data())

@@ -51,7 +51,7 @@ RETRY_AFTER_S = 0.05  # a refused request is resubmitted after this
 # --stats: after each row, what the scheduler did (to stderr)
 STATS_SHOWN = ("programs_entered_total", "programs_entered_priced_total",
                "program_entries_deferred_total", "program_kept_lost_tokens_total",
-               "program_headroom_tokens",
+               "program_headroom_tokens", "programs_displaced_total",
                "admissions_held_total", "retractions_total",
                "evicted_tokens_total", "steps_total")  # fmt: skip
 

@@ -188,6 +188,15 @@ class GraphMarks(NoMarks):
                 self._forget(node)
             node = node.parent
 
+    def forget_private(self, path: Iterable[TreeNode]) -> None:
+        """A paused branch is not waited for any more (its program was displaced, programs.py):
+        `path` is the part of its path only it reads (nodes.private_path), whose marks are
+        dropped so that it goes first when the pool needs room; shared parts keep their
+        readers' marks."""
+        for node in path:
+            if self.policy.base(node) is not None:
+                self._forget(node)
+
     def advance(self, now_s: float) -> None:
         """Once a step: forget continuations that said "right away" and are overdue."""
         heap = self._immediate

@@ -4,7 +4,7 @@ its readers need nothing of the tree's implementation."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -131,3 +131,14 @@ def unlocked_on_path(node: TreeNode, prefix_len: int) -> int:
         unlocked += len(node.key)
         node = node.parent
     return unlocked
+
+
+def private_path(node: TreeNode) -> Iterator[TreeNode]:
+    """`node` and its ancestors up to where another path branches off (that node and the
+    ones above it are shared): the part of a path only its own reader holds."""
+    while node.parent is not None and not node.evicted:
+        yield node
+        parent = node.parent
+        if parent.parent is None or len(parent.children) > 1:
+            return
+        node = parent

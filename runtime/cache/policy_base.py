@@ -134,6 +134,9 @@ class NoMarks:
     def mark_read(self, position: TreePosition) -> None:
         pass
 
+    def forget_private(self, path: Iterable[TreeNode]) -> None:
+        pass
+
     def mark_access(self, namespace: Hashable, ids: Sequence[int], match_limit: int) -> None:
         pass  # only a recorded future (oracle.py) needs every admission
 

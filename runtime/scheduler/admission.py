@@ -149,7 +149,7 @@ class AdmissionPass:
             return SKIP  # not its program's turn
         # kept KV it would evict, and the room the programs in grow into
         short = self.takes(req) + self.kept + programs.headroom_tokens - self.available
-        if short <= 0 or self.entry_priced(req, short):
+        if short <= 0 or self.entry_priced(req, short) or self.displaces_for(req, short):
             self.entrants.pop(0)
             programs.entered()
             s.counters["programs_entered" if short <= 0 else "programs_entered_priced"] += 1
@@ -168,6 +168,21 @@ class AdmissionPass:
         if not self.s.running and not self.entries:
             return programs.waiting_costs_more(short, now_s)
         return programs.joining_costs_less(req, short)
+
+    def displaces_for(self, req: Req, short: int) -> bool:
+        """Paused programs of more attained service (a lower level: PLAS) give up their kept
+        KV to `req`'s program when that makes it fit, the most served first: at least one of
+        them, whose room stands in for the headroom the programs in keep to grow into. Priced
+        by ski rental: only once `req` has waited as long as recomputing what they give up
+        would take (programs.py)."""
+        programs, now_s = self.programs, self.s.lookahead.now_s
+        displaced = programs.displaced_by(req, short - programs.headroom_tokens, now_s)
+        if not displaced or not programs.waited_past_recompute(req, sum(t for _, t in displaced)):
+            return False
+        for key, _ in displaced:
+            programs.displace(key)
+        self.kept = programs.kept_tokens()
+        return True
 
     def fits(self, req: Req) -> Verdict:
         """It fits now; else it failed as too large for the pool, or other owners' requests

@@ -20,6 +20,16 @@ program_service.py), then the oldest; one that has waited STARVATION_S enters be
 has not. Programs enter in that order: the first that does not fit holds the rest, so a large
 program is not passed forever by small ones.
 
+Programs in do not keep their KV against every newcomer (else a program that arrives while the
+pool is full waits for long ones to end: first come, first served by program). A waiting program
+at a higher service level than paused programs in (less attained service; levels double from an
+eighth of the pool, Autellix's discretized PLAS queues, program_service.service_level) *displaces*
+them, the most served first, as many as free the room it lacks beside the other kept paths:
+their paths are no longer kept (the part only they hold goes first when the pool needs room),
+and their next requests enter in order. Within a level none displaces another, so programs of
+about the same service do not take the pool from each other in turns. Displacing is priced by ski
+rental: the newcomer displaces once it has waited as long as recomputing what it frees takes.
+
 Waiting is priced, with the engine's measured step costs (StepTime: a step is t0 + c per token).
 When nothing runs and every program in is paused on its tools, a waiting program enters anyway
 if recomputing the kept KV it would evict (c per token) costs less than waiting for the soonest
@@ -50,10 +60,10 @@ from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
 from runtime.cache.graph_policy import CONTINUATION_GRACE_S
-from runtime.cache.nodes import owner_of
+from runtime.cache.nodes import owner_of, private_path
 from runtime.protocol import MAX_HINT_RETURN_S
 from runtime.scheduler.branches import MAX_BRANCHES, BranchTable, branch_key
-from runtime.scheduler.program_service import ProgramRecord
+from runtime.scheduler.program_service import ProgramRecord, service_level
 from runtime.scheduler.request import Req
 from runtime.scheduler.step_time import IdleTime, StepTime
 
@@ -66,6 +76,8 @@ STARVATION_S = 60.0  # a request waiting this long to enter goes before every on
 # until CONTINUATION_GRACE_S: a program whose tool ran long finds its KV)
 LATE_S = 1.0
 HEADROOM_DECAY = 0.1
+# a service level's quantum (program_service.service_level), as a share of the pool
+SERVICE_QUANTUM_SHARE = 1 / 8
 GAP_DECAY = 0.2  # each return seen moves the learned gap (and decode length) this far towards it
 
 
@@ -115,6 +127,7 @@ class ProgramGate:
         # tokens a program's request decodes, learned (decayed mean): max_new_tokens is a
         # bound, and an HTTP client's may be far above what its answers take
         self.decoded_tokens: float | None = None
+        self.displaced = 0  # programs displaced by one of less attained service (a counter)
 
     # ------------------------------------------------------------------ what happens
     def arrived(self, req: Req, now_s: float) -> None:
@@ -232,6 +245,49 @@ class ProgramGate:
     def entered(self) -> None:
         self.headroom_tokens *= 1.0 - HEADROOM_DECAY
 
+    def displaced_by(self, req: Req, need_tokens: float, now_s: float) -> list[tuple[tuple, int]]:
+        """The paused programs in (none of their requests running) at a lower service level
+        than `req`'s program, the most served first, as many as free `need_tokens` (at least
+        one) of what only their paths hold: (program key, tokens) each; none if they cannot."""
+        quantum = max(1, int(self.pool_slots * SERVICE_QUANTUM_SHARE))
+        entrant = self.programs.get(program_key(req)) or ProgramRecord(now_s)
+        level = service_level(entrant.critical_tokens, quantum)
+        outranked = []
+        for key, branches in self._paused_branches.items():
+            record = self.programs.get(key)
+            if record is None or record.num_running or not branches:
+                continue
+            if (their_level := service_level(record.critical_tokens, quantum)) > level:
+                nodes = {id(n): n for b in branches if (p := self.paused.get(b)) is not None
+                         for n in private_path(p.node) if not n.lock_ref}  # fmt: skip
+                tokens = sum(len(n.key) for n in nodes.values())
+                outranked.append((-their_level, -tokens, key))
+        displaced = []
+        for _, tokens, key in sorted(outranked, key=lambda o: o[:2]):  # (keys may not compare)
+            if tokens:
+                displaced.append((key, -tokens))
+                need_tokens += tokens
+                if need_tokens <= 0:
+                    return displaced
+        return []
+
+    def waited_past_recompute(self, req: Req, evicts_tokens: int) -> bool:
+        """Whether `req` has waited to enter as long as recomputing `evicts_tokens` takes
+        (the measured cost per token): ski rental, the wait is the rent, a displaced program's
+        recompute the purchase; entering then costs at most twice the better of the two."""
+        fit = self.step_time.fit()
+        waited_s = time.monotonic() - req.usage.submitted_s
+        return fit is not None and waited_s >= fit[1] * evicts_tokens
+
+    def displace(self, key: tuple) -> None:
+        """Program `key` is no longer in: its paused paths are not kept (the part only they
+        hold goes first when the pool needs room), and its next request enters in order."""
+        for branch in self._paused_branches.pop(key, ()):
+            paused = self.paused.pop(branch)
+            if paused is not None:
+                self.kv.marks.forget_private(private_path(paused.node))
+        self.displaced += 1
+
     def waiting_costs_more(self, evicts_tokens: int, now_s: float) -> bool:
         """Nothing runs: whether waiting for the soonest paused program to come back costs
         more than recomputing `evicts_tokens` of kept KV (the measured cost per token)."""
@@ -272,6 +328,7 @@ class ProgramGate:
         return {
             "program_kept_lost_tokens_total": self.kept_lost_tokens,
             "program_headroom_tokens": self.headroom_tokens,
+            "programs_displaced_total": self.displaced,
         }
 
     def check_integrity(self, running: Iterable[Req]) -> None:
@@ -313,4 +370,5 @@ class NoPrograms:
         pass
 
     def stats(self) -> dict[str, float]:
-        return {"program_kept_lost_tokens_total": 0, "program_headroom_tokens": 0.0}
+        return {"program_kept_lost_tokens_total": 0, "program_headroom_tokens": 0.0,
+                "programs_displaced_total": 0}  # fmt: skip
