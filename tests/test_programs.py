@@ -411,3 +411,21 @@ def test_a_program_larger_than_the_pool_fails_at_once_and_holds_no_entry():
     back = a_returns(sched, a)
     run(sched)
     assert back.usage.cached_tokens == len(a.all_ids) - 1 and b.gen.finished
+
+
+def test_programs_of_different_owners_tied_in_service_are_displaced_without_comparing_keys():
+    """Two paused programs of the same level and size, of two owners (keys (None, "A") and
+    ("t", "A")), and a newcomer that needs their room: ranking them must not compare the keys."""
+    sched = scheduler(POOL, eviction_policy="graph")
+    with_clock(sched)
+    priced(sched, 0.1)  # their recompute costs more than waiting the 2 s for their return
+    for namespace, seed in ((None, 1), ("t", 2)):
+        paused = program_req(f"a{seed}", ids(seed, 60), "A", after_s=2.0)
+        paused.namespace = namespace
+        sched.add(paused)
+        run(sched)
+    b = program_req("b1", ids(3, 150), "B", after_s=None)
+    sched.add(b)
+    b.usage.submitted_s -= 1_000.0
+    step(sched)
+    assert b.rid not in sched.waiting and sched.lookahead.programs.displaced >= 1
