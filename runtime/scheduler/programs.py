@@ -54,6 +54,7 @@ future): every request is its own program and nothing is held.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable
@@ -275,9 +276,8 @@ class ProgramGate:
         """Whether `req` has waited to enter as long as recomputing `evicts_tokens` takes
         (the measured cost per token): ski rental, the wait is the rent, a displaced program's
         recompute the purchase; entering then costs at most twice the better of the two."""
-        fit = self.step_time.fit()
         waited_s = time.monotonic() - req.usage.submitted_s
-        return fit is not None and waited_s >= fit[1] * evicts_tokens
+        return waited_s >= self.recompute_s(evicts_tokens)
 
     def displace(self, key: tuple) -> None:
         """Program `key` is no longer in: its paused paths are not kept (the part only they
@@ -305,11 +305,14 @@ class ProgramGate:
         paid in compute spent again. Entering once the rent paid covers the price costs at
         most twice the better of waiting it out and entering at once, whatever the wait
         would have been. Where compute is the bottleneck the engine does not idle: it waits."""
-        fit = self.step_time.fit()
-        if fit is None:
-            return False
         idled_s = self.idle.total_s() - req.queue.idle_at_arrival_s
-        return idled_s >= fit[1] * evicts_tokens
+        return idled_s >= self.recompute_s(evicts_tokens)
+
+    def recompute_s(self, tokens: int) -> float:
+        """What recomputing `tokens` takes at the measured cost per token (unmeasured: never
+        worth paying for)."""
+        fit = self.step_time.fit()
+        return math.inf if fit is None else fit[1] * tokens
 
     def joining_costs_less(self, req: Req, evicts_tokens: int) -> bool:
         """Others run: whether `req` joining their steps now saves more step time than
