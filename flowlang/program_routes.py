@@ -25,7 +25,7 @@ from flowlang.backends.base import Backend
 from flowlang.batch import batch_instance
 from flowlang.batch_results import jsonable
 from flowlang.program import Program
-from runtime.errors import UsageError
+from runtime.errors import InvalidRequestError, UsageError
 
 PROGRAMS_URL = "/v1/flowlang/programs"
 MAX_PROGRAM_THREADS = 256  # programs in flight at once: each waits on its requests in a thread
@@ -88,14 +88,18 @@ class ProgramRoute:
         prefix = batch_instance(graph).prefix_ids
         return (self.namespace, list(prefix)) if prefix else None
 
-    def answer(self, body: Mapping[str, Any], namespace: str | None) -> tuple[int, dict]:
-        """(status, JSON body) of one run; blocking."""
+    def answer(
+        self, body: Mapping[str, Any], namespace: str | None, priority: int = 0
+    ) -> tuple[int, dict]:
+        """(status, JSON body) of one run at `priority` (higher first); blocking."""
         try:
             args = self.arguments(body)
         except ArgumentError as err:
             return 400, _error(str(err), "invalid_request_error", err.param)
         try:
-            state = self.program.run(backend=self.backend, namespace=namespace, **args)
+            state = self.program.run(
+                backend=self.backend, namespace=namespace, priority=priority, **args
+            )
             variables = {k: jsonable(v, k) for k, v in state.variables().items()}
             returned = jsonable(state.return_value, "return value")
         except Exception as err:  # noqa: BLE001 - the program's own failure is its answer
@@ -131,6 +135,8 @@ class ProgramRoutes:
         from fastapi import APIRouter
         from fastapi.responses import JSONResponse
 
+        from runtime.server.agent_hints import run_priority
+
         router = APIRouter()
         by_name = {r.program.name: r for r in self.routes.values()}
 
@@ -163,9 +169,14 @@ class ProgramRoutes:
                     _error("the body must be a JSON object of arguments", "invalid_request_error"),
                     400,
                 )
+            try:
+                priority = run_priority(request)
+            except InvalidRequestError as err:
+                return JSONResponse(_error(str(err), "invalid_request_error", "headers"), 400)
             namespace = request.app.state.server.namespace(request, None)
             loop = asyncio.get_running_loop()
-            status, answer = await loop.run_in_executor(self.pool, route.answer, body, namespace)
+            run = functools.partial(route.answer, body, namespace, priority)
+            status, answer = await loop.run_in_executor(self.pool, run)
             return JSONResponse(answer, status)
 
         return router

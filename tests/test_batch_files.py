@@ -256,13 +256,22 @@ def test_a_batch_killed_part_way_resumes_with_nothing_lost_repeated_or_recompute
 # ------------------------------------------------------------------ programs over HTTP
 
 
-def test_registered_programs_answer_over_http(tiny_model_dir):
+def test_registered_programs_answer_over_http(tiny_model_dir, monkeypatch):
     from conftest import ServerThread
 
+    from flowlang.program import Program
     from flowlang.program_routes import program_extension
     from runtime.config import EngineConfig
     from runtime.engine import Engine
 
+    priorities = []  # each run's, as the route starts it
+    run = Program.run
+
+    def recorded(self, *args, priority=0, **kwargs):
+        priorities.append(priority)
+        return run(self, *args, priority=priority, **kwargs)
+
+    monkeypatch.setattr(Program, "run", recorded)
     engine = Engine(EngineConfig(model=str(tiny_model_dir), max_kv_tokens=20_000))
     server = ServerThread(engine, extensions=[program_extension([greet])])
     try:
@@ -277,6 +286,15 @@ def test_registered_programs_answer_over_http(tiny_model_dir):
         assert bad.status_code == 400 and "'nam'" in bad.json()["error"]["message"]
         missing = httpx.post(url + "/nope", json={}, timeout=60)
         assert missing.status_code == 404 and "greet" in missing.json()["error"]["message"]
+        # a run's priority from Dynamo's header; a session header is refused, not dropped
+        urgent = {"X-Dynamo-Request-Priority": "3"}
+        assert httpx.post(url + "/greet", json={"name": "Bo"}, headers=urgent).status_code == 200
+        assert priorities == [0, 0, 3]  # (the two above, then this one)
+        for header, value in (("X-Dynamo-Request-Priority", "high"), ("X-Session-ID", "s1")):
+            refused = httpx.post(url + "/greet", json={"name": "Bo"}, headers={header: value})
+            assert refused.status_code == 400
+            assert header.lower() in refused.json()["error"]["message"]
+        assert len(priorities) == 3
     finally:
         server.stop()
         engine.close()

@@ -91,6 +91,18 @@ def a_returns(sched: Scheduler, a: Req) -> Req:
     return back
 
 
+def b_waits_however_long_and_a_keeps_its_path(sched: Scheduler, a: Req, b: Req) -> None:
+    """B has waited 1,000 s and still waits, displacing no one; A's return finds its whole
+    path, and B runs once A is done."""
+    b.usage.submitted_s -= 1_000.0
+    for _ in range(3):
+        step(sched)
+    assert b.rid in sched.waiting and sched.lookahead.programs.displaced == 0
+    back = a_returns(sched, a)
+    run(sched)
+    assert back.usage.cached_tokens == len(a.all_ids) - 1 and b.gen.finished
+
+
 def test_a_new_program_waits_while_a_paused_programs_kv_is_dear_to_recompute():
     sched, a, b = paused_a_then_new_b(
         per_token_s=0.1
@@ -204,13 +216,7 @@ def test_a_program_of_the_same_service_level_displaces_none():
     """B computed 100 tokens before (the level of A's 120): however long it waits, A's kept
     path stays; B enters when A is back and done."""
     sched, a, b = paused_a_then_new_b(per_token_s=0.1, b_served_tokens=100)
-    b.usage.submitted_s -= 1_000.0
-    for _ in range(3):
-        step(sched)
-    assert b.rid in sched.waiting and sched.lookahead.programs.displaced == 0
-    back = a_returns(sched, a)
-    run(sched)
-    assert back.usage.cached_tokens == len(a.all_ids) - 1 and b.gen.finished
+    b_waits_however_long_and_a_keeps_its_path(sched, a, b)
 
 
 def test_a_late_program_is_not_waited_for():
@@ -287,8 +293,9 @@ class ProgramMachine(RuleBasedStateMachine):
         self.count = 0
 
     @rule(program=st.sampled_from("ABCDE"), new=st.integers(10, 70),
-          after_s=st.sampled_from([None, 0.0, 0.5, 3.0]))  # fmt: skip
-    def arrive(self, program, new, after_s):
+          after_s=st.sampled_from([None, 0.0, 0.5, 3.0]),
+          priority=st.sampled_from([0, 0, 1]))  # fmt: skip
+    def arrive(self, program, new, after_s, priority):
         busy = [r for r in (*self.sched.waiting.values(), *self.sched.running)
                 if r.hints.program_id == program]  # fmt: skip
         if busy:
@@ -296,6 +303,7 @@ class ProgramMachine(RuleBasedStateMachine):
         self.count += 1
         prompt = self.history.get(program, []) + ids(self.count, new)
         req = program_req(f"{program}{self.count}", prompt[-150:], program, after_s)
+        with_priority(req, priority)  # (ranks before service: displacing, headroom)
         self.history[program] = req.prompt_ids
         self.sched.add(req)
 
@@ -390,6 +398,56 @@ def test_the_wait_is_priced_by_the_gaps_seen_not_the_declared_return():
         sched.add(b)
         step(sched)
         assert (b.rid in sched.waiting) == learned
+
+
+def with_priority(req: Req, priority: int) -> Req:
+    req.hints = req.hints.model_copy(update={"priority": priority})
+    return req
+
+
+def test_a_program_outranking_every_program_in_does_not_wait_for_their_headroom():
+    """A (120 tokens computed: service level 2 of a 200-slot pool) is paused and kept, and the
+    gate has learned a headroom of 100 tokens for the programs in to grow into. B (30 tokens)
+    fits beside A's kept path but not beside the headroom too. With no service yet B outranks A
+    (PLAS): it enters at once, displacing nothing. Having computed 100 tokens before (A's
+    level), it does not: it waits for A."""
+    for b_served_tokens, enters in ((0, True), (100, False)):
+        sched = scheduler(POOL, eviction_policy="graph")
+        now = with_clock(sched)
+        priced(sched, 0.1)  # recomputing a token costs more than A's 4 s wait
+        gate = sched.lookahead.programs
+        if b_served_tokens:
+            sched.add(program_req("b0", ids(4, b_served_tokens), "B", after_s=None))
+            run(sched)
+        sched.add(program_req("a1", ids(1, 120), "A", after_s=5.0))
+        run(sched)
+        gate.headroom_tokens = 100.0  # as if the programs in had outgrown the pool
+        now[0] = 1.0
+        b = program_req("b1", ids(2, 30), "B", after_s=None)
+        sched.add(b)
+        step(sched)
+        assert (b.rid not in sched.waiting) is enters, b_served_tokens
+        assert gate.displaced == 0 and len(gate.paused) == 1  # A's path is still kept
+        assert sched.counters["program_entries_deferred"] == int(not enters)
+
+
+def test_priority_ranks_before_service_in_displacing():
+    """B has the service level of paused A (as in the test above, where it displaces none),
+    but a higher priority: once it has waited A's recompute, A is displaced. A program of
+    higher priority than the newcomer keeps its path however less served the newcomer is."""
+    sched, a, b = paused_a_then_new_b(per_token_s=0.1, b_served_tokens=100)
+    with_priority(b, 1).usage.submitted_s -= 1_000.0
+    step(sched)
+    assert b.rid not in sched.waiting and sched.lookahead.programs.displaced == 1
+    sched = scheduler(POOL, eviction_policy="graph")
+    with_clock(sched)
+    priced(sched, 0.1)
+    a = with_priority(program_req("a1", ids(1, 120), "A", after_s=5.0), 1)
+    sched.add(a)
+    run(sched)
+    b = program_req("b1", ids(2, 150), "B", after_s=None)  # no service at all
+    sched.add(b)
+    b_waits_however_long_and_a_keeps_its_path(sched, a, b)
 
 
 def test_a_client_naming_a_new_program_per_request_keeps_the_gate_bounded():

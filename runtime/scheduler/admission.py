@@ -147,9 +147,10 @@ class AdmissionPass:
             self.entrants.pop(0)  # started this pass, or its program entered meanwhile
         if self.entry_closed or not self.entrants or self.entrants[0] is not req:
             return SKIP  # not its program's turn
-        # kept KV it would evict, and the room the programs in grow into
-        short = self.takes(req) + self.kept + programs.headroom_tokens - self.available
-        if short <= 0 or self.entry_priced(req, short) or self.displaces_for(req, short):
+        # kept KV it would evict, and the room the programs it does not outrank grow into
+        headroom = programs.headroom_for(req, s.lookahead.now_s)
+        short = self.takes(req) + self.kept + headroom - self.available
+        if short <= 0 or self.entry_priced(req, short) or self.displaces_for(req, short - headroom):
             self.entrants.pop(0)
             programs.entered()
             s.counters["programs_entered" if short <= 0 else "programs_entered_priced"] += 1
@@ -170,13 +171,13 @@ class AdmissionPass:
         return programs.joining_costs_less(req, short)
 
     def displaces_for(self, req: Req, short: int) -> bool:
-        """Paused programs of more attained service (a lower level: PLAS) give up their kept
-        KV to `req`'s program when that makes it fit, the most served first: at least one of
-        them, whose room stands in for the headroom the programs in keep to grow into. Priced
-        by ski rental: only once `req` has waited as long as recomputing what they give up
-        would take (programs.py)."""
+        """Paused programs of a lower rank (lower priority, or more attained service: PLAS)
+        give up their kept KV to `req`'s program when that makes its `short` tokens fit beside
+        the other kept KV, the lowest first: at least one of them, whose room stands in for the
+        headroom the programs in keep to grow into. Priced by ski rental: only once `req` has
+        waited as long as recomputing what they give up would take (programs.py)."""
         programs, now_s = self.programs, self.s.lookahead.now_s
-        displaced = programs.displaced_by(req, short - programs.headroom_tokens, now_s)
+        displaced = programs.displaced_by(req, short, now_s)
         if not displaced or not programs.waited_past_recompute(req, sum(t for _, t in displaced)):
             return False
         for key, _ in displaced:

@@ -34,6 +34,7 @@ class ProgramRecord:
     first_seen_s: float  # when its first request came (the scheduler's clock)
     num_running: int = 0  # its requests running now
     critical_tokens: int = 0  # tokens computed along its longest path so far
+    priority: int = 0  # GraphHints.priority of its latest request to start (higher first)
     path_tokens: dict[str, int] = field(default_factory=dict)  # per branch: along its path
 
     def charge(self, branch: str | None, tokens: int) -> None:

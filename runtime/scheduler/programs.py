@@ -21,14 +21,16 @@ has not. Programs enter in that order: the first that does not fit holds the res
 program is not passed forever by small ones.
 
 Programs in do not keep their KV against every newcomer (else a program that arrives while the
-pool is full waits for long ones to end: first come, first served by program). A waiting program
-at a higher service level than paused programs in (less attained service; levels double from an
-eighth of the pool, Autellix's discretized PLAS queues, program_service.service_level) *displaces*
-them, the most served first, as many as free the room it lacks beside the other kept paths:
-their paths are no longer kept (the part only they hold goes first when the pool needs room),
-and their next requests enter in order. Within a level none displaces another, so programs of
-about the same service do not take the pool from each other in turns. Displacing is priced by ski
-rental: the newcomer displaces once it has waited as long as recomputing what it frees takes.
+pool is full waits for long ones to end: first come, first served by program). A program's *rank*
+is its GraphHints.priority, then its service level (less attained service first; levels double
+from an eighth of the pool, Autellix's discretized PLAS queues, program_service.service_level).
+A waiting program that outranks every program in does not wait for their headroom (it is served
+before their growth). One that outranks paused programs in *displaces* them, the lowest first,
+as many as free the room it lacks beside the other kept paths: their paths are no longer kept
+(the part only they hold goes first when the pool needs room), and their next requests enter in
+order. Within a rank none displaces another, so programs of about the same service do not take
+the pool from each other in turns. Displacing is priced by ski rental: the newcomer displaces
+once it has waited as long as recomputing what it frees takes.
 
 Waiting is priced, with the engine's measured step costs (StepTime: a step is t0 + c per token).
 When nothing runs and every program in is paused on its tools, a waiting program enters anyway
@@ -159,6 +161,7 @@ class ProgramGate:
         if key is not None:
             record = self.programs.setdefault(key, ProgramRecord(0.0))
             record.num_running += 1
+            record.priority = req.hints.priority
             # the prompt it computes (its cached prefix is taken by now): attained service
             record.charge(req.hints.branch_id, req.num_tokens - req.kv.num_computed)
             self._running[req.rid] = key
@@ -204,9 +207,9 @@ class ProgramGate:
         """Whether `req` needs no entry: it names no program, or its program is in (a request
         of it runs, or a branch of it paused and its path is still in the pool)."""
         key = program_key(req)
-        if key is None:
-            return True
-        record = self.programs.get(key)
+        return key is None or self._key_is_in(key, self.programs.get(key))
+
+    def _key_is_in(self, key: tuple, record: ProgramRecord | None) -> bool:
         if record is not None and record.num_running > 0:
             return True
         branches = self._paused_branches.get(key, set())
@@ -246,25 +249,49 @@ class ProgramGate:
     def entered(self) -> None:
         self.headroom_tokens *= 1.0 - HEADROOM_DECAY
 
-    def displaced_by(self, req: Req, need_tokens: float, now_s: float) -> list[tuple[tuple, int]]:
-        """The paused programs in (none of their requests running) at a lower service level
-        than `req`'s program, the most served first, as many as free `need_tokens` (at least
-        one) of what only their paths hold: (program key, tokens) each; none if they cannot."""
+    def rank(self, record: ProgramRecord, priority: int | None = None) -> tuple[int, int]:
+        """A program's rank, the lowest first: higher GraphHints.priority (`priority`, else
+        its latest request's), then its service level (less attained service:
+        program_service.service_level)."""
         quantum = max(1, int(self.pool_slots * SERVICE_QUANTUM_SHARE))
-        entrant = self.programs.get(program_key(req)) or ProgramRecord(now_s)
-        level = service_level(entrant.critical_tokens, quantum)
+        priority = record.priority if priority is None else priority
+        return -priority, service_level(record.critical_tokens, quantum)
+
+    def _entrant_rank(self, req: Req, now_s: float) -> tuple[int, int]:
+        """The rank of the program `req` asks to enter, at `req`'s priority."""
+        record = self.programs.get(program_key(req)) or ProgramRecord(now_s)
+        return self.rank(record, req.hints.priority)
+
+    def headroom_for(self, req: Req, now_s: float) -> float:
+        """The room kept for the programs in to grow into, as `req`'s program sees it: none
+        when it outranks every program in (PLAS serves it before their growth: what they lose
+        to it is what their rank costs them), else the learned headroom."""
+        if not self.headroom_tokens:
+            return 0.0
+        rank = self._entrant_rank(req, now_s)
+        for key, record in self.programs.items():
+            if self.rank(record) <= rank and self._key_is_in(key, record):
+                return self.headroom_tokens
+        return 0.0
+
+    def displaced_by(self, req: Req, need_tokens: float, now_s: float) -> list[tuple[tuple, int]]:
+        """The paused programs in (none of their requests running) of a lower rank than
+        `req`'s program (lower priority, or the same and a lower service level), the lowest
+        first, as many as free `need_tokens` (at least one) of what only their paths hold:
+        (program key, tokens) each; none if they cannot."""
+        rank = self._entrant_rank(req, now_s)
         outranked = []
         for key, branches in self._paused_branches.items():
             record = self.programs.get(key)
             if record is None or record.num_running or not branches:
                 continue
-            if (their_level := service_level(record.critical_tokens, quantum)) > level:
+            if (their_rank := self.rank(record)) > rank:
                 nodes = {id(n): n for b in branches if (p := self.paused.get(b)) is not None
                          for n in private_path(p.node) if not n.lock_ref}  # fmt: skip
                 tokens = sum(len(n.key) for n in nodes.values())
-                outranked.append((-their_level, -tokens, key))
+                outranked.append((-their_rank[0], -their_rank[1], -tokens, key))
         displaced = []
-        for _, tokens, key in sorted(outranked, key=lambda o: o[:2]):  # (keys may not compare)
+        for *_, tokens, key in sorted(outranked, key=lambda o: o[:3]):  # (keys may not compare)
             if tokens:
                 displaced.append((key, -tokens))
                 need_tokens += tokens

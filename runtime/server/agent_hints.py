@@ -135,6 +135,23 @@ def tenant_hints(server: Server, request: Request, hints: GraphHints) -> GraphHi
     return hints.model_copy(update=update) if update else hints
 
 
+def run_priority(request: Request) -> int:
+    """The priority of a flowlang program run over HTTP (POST /v1/flowlang/programs/NAME, its
+    body the program's arguments): X-Dynamo-Request-Priority, higher first, 0 without it. The
+    run is a program of its own, its requests carry its ids: a header naming a session, its
+    parent or its last request is refused by name, not dropped."""
+    claims = _Claims()
+    _claim_headers(claims, request)
+    values = claims.resolve()
+    for field in sorted(set(values) - {"priority"}):
+        sources = ", ".join(source for source, _ in claims.by_field[field])
+        raise InvalidRequestError(
+            f"{sources}: a program run is a program of its own (its requests carry its "
+            f"ids); of these headers it takes {PRIORITY_HEADER} only"
+        )
+    return values.get("priority", 0)
+
+
 def parse_nvext(nvext: dict[str, Any]) -> NvExt:
     """`nvext` as the fields this server takes; another field, or a value out of range, is a
     400 naming it (nvext.<field>...)."""
