@@ -334,6 +334,13 @@ class ProgramMachine(RuleBasedStateMachine):
             req.usage.submitted_s -= seconds
         step(self.sched)
 
+    @rule(tokens=st.sampled_from([0.0, 40.0, 150.0]))
+    def outgrown(self, tokens):
+        """The gate learned this headroom (the programs in outgrew the pool): a newcomer
+        waits for it unless it outranks every program in."""
+        self.sched.lookahead.programs.headroom_tokens = tokens
+        step(self.sched)
+
     @precondition(lambda self: self.sched.waiting or self.sched.running)
     @rule(data=st.data())
     def abort(self, data):
