@@ -148,7 +148,7 @@ class AdmissionPass:
         if self.entry_closed or not self.entrants or self.entrants[0] is not req:
             return SKIP  # not its program's turn
         # kept KV it would evict, and the room the programs it does not outrank grow into
-        headroom = programs.headroom_for(req, s.lookahead.now_s)
+        headroom = programs.headroom_for(req)
         short = self.takes(req) + self.kept + headroom - self.available
         if short <= 0 or self.entry_priced(req, short) or self.displaces_for(req, short - headroom):
             self.entrants.pop(0)
@@ -176,8 +176,8 @@ class AdmissionPass:
         the other kept KV, the lowest first: at least one of them, whose room stands in for the
         headroom the programs in keep to grow into. Priced by ski rental: only once `req` has
         waited as long as recomputing what they give up would take (programs.py)."""
-        programs, now_s = self.programs, self.s.lookahead.now_s
-        displaced = programs.displaced_by(req, short, now_s)
+        programs = self.programs
+        displaced = programs.displaced_by(req, short)
         if not displaced or not programs.waited_past_recompute(req, sum(t for _, t in displaced)):
             return False
         for key, _ in displaced:

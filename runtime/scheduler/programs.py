@@ -257,29 +257,29 @@ class ProgramGate:
         priority = record.priority if priority is None else priority
         return -priority, service_level(record.critical_tokens, quantum)
 
-    def _entrant_rank(self, req: Req, now_s: float) -> tuple[int, int]:
+    def _entrant_rank(self, req: Req) -> tuple[int, int]:
         """The rank of the program `req` asks to enter, at `req`'s priority."""
-        record = self.programs.get(program_key(req)) or ProgramRecord(now_s)
+        record = self.programs.get(program_key(req)) or ProgramRecord(0.0)
         return self.rank(record, req.hints.priority)
 
-    def headroom_for(self, req: Req, now_s: float) -> float:
+    def headroom_for(self, req: Req) -> float:
         """The room kept for the programs in to grow into, as `req`'s program sees it: none
         when it outranks every program in (PLAS serves it before their growth: what they lose
         to it is what their rank costs them), else the learned headroom."""
         if not self.headroom_tokens:
             return 0.0
-        rank = self._entrant_rank(req, now_s)
+        rank = self._entrant_rank(req)
         for key, record in self.programs.items():
             if self.rank(record) <= rank and self._key_is_in(key, record):
                 return self.headroom_tokens
         return 0.0
 
-    def displaced_by(self, req: Req, need_tokens: float, now_s: float) -> list[tuple[tuple, int]]:
+    def displaced_by(self, req: Req, need_tokens: float) -> list[tuple[tuple, int]]:
         """The paused programs in (none of their requests running) of a lower rank than
         `req`'s program (lower priority, or the same and a lower service level), the lowest
         first, as many as free `need_tokens` (at least one) of what only their paths hold:
         (program key, tokens) each; none if they cannot."""
-        rank = self._entrant_rank(req, now_s)
+        rank = self._entrant_rank(req)
         outranked = []
         for key, branches in self._paused_branches.items():
             record = self.programs.get(key)
@@ -289,12 +289,13 @@ class ProgramGate:
                 nodes = {id(n): n for b in branches if (p := self.paused.get(b)) is not None
                          for n in private_path(p.node) if not n.lock_ref}  # fmt: skip
                 tokens = sum(len(n.key) for n in nodes.values())
-                outranked.append((-their_rank[0], -their_rank[1], -tokens, key))
+                outranked.append((their_rank, tokens, key))
         displaced = []
-        for *_, tokens, key in sorted(outranked, key=lambda o: o[:3]):  # (keys may not compare)
+        # the lowest rank first, the most tokens first within it (keys may not compare)
+        for _, tokens, key in sorted(outranked, key=lambda o: o[:2], reverse=True):
             if tokens:
-                displaced.append((key, -tokens))
-                need_tokens += tokens
+                displaced.append((key, tokens))
+                need_tokens -= tokens
                 if need_tokens <= 0:
                     return displaced
         return []
