@@ -31,6 +31,8 @@ as many as free the room it lacks beside the other kept paths: their paths are n
 order. Within a rank none displaces another, so programs of about the same service do not take
 the pool from each other in turns. Displacing is priced by ski rental: the newcomer displaces
 once it has waited as long as recomputing what it frees takes.
+The same rank orders compute: while a request of the best rank running runs, the prompts of
+those ranked below go in short steps (step_ranks.py).
 
 Waiting is priced, with the engine's measured step costs (StepTime: a step is t0 + c per token).
 When nothing runs and every program in is paused on its tools, a waiting program enters anyway
@@ -257,8 +259,9 @@ class ProgramGate:
         priority = record.priority if priority is None else priority
         return -priority, service_level(record.critical_tokens, quantum)
 
-    def _entrant_rank(self, req: Req) -> tuple[int, int]:
-        """The rank of the program `req` asks to enter, at `req`'s priority."""
+    def request_rank(self, req: Req) -> tuple[int, int]:
+        """The rank of `req`'s program at `req`'s priority (one that has computed nothing yet,
+        or names no program, at service level 0)."""
         record = self.programs.get(program_key(req)) or ProgramRecord(0.0)
         return self.rank(record, req.hints.priority)
 
@@ -268,7 +271,7 @@ class ProgramGate:
         to it is what their rank costs them), else the learned headroom."""
         if not self.headroom_tokens:
             return 0.0
-        rank = self._entrant_rank(req)
+        rank = self.request_rank(req)
         for key, record in self.programs.items():
             if self.rank(record) <= rank and self._key_is_in(key, record):
                 return self.headroom_tokens
@@ -279,7 +282,7 @@ class ProgramGate:
         `req`'s program (lower priority, or the same and a lower service level), the lowest
         first, as many as free `need_tokens` (at least one) of what only their paths hold:
         (program key, tokens) each; none if they cannot."""
-        rank = self._entrant_rank(req)
+        rank = self.request_rank(req)
         outranked = []
         for key, branches in self._paused_branches.items():
             record = self.programs.get(key)
@@ -396,6 +399,9 @@ class NoPrograms:
 
     def is_in(self, req: Req) -> bool:
         return True
+
+    def request_rank(self, req: Req) -> tuple[int, int]:
+        return -req.hints.priority, 0  # (no service is counted)
 
     def check_integrity(self, running: Iterable[Req]) -> None:
         pass

@@ -1,11 +1,12 @@
 """The scheduler decides: which requests run next and how much of each; it never runs the model.
 
 `schedule()` builds one mixed batch: decodes of every running request, then prefill chunks of
-running and newly admitted requests up to the token budget (a constrained request decodes, or is
-admitted, once its grammar mask is ready: grammar_gate.py). `process(batch, logits)` applies a
-forward pass's logits: counts, prompt logprobs, sampling, stop rules, inserting computed KV into
-the tree, finishing. It needs slot counts and logits only, so it is tested with fake logits.
-Everything here runs on the engine's loop thread.
+running and newly admitted requests up to the token budget, the best-ranked program's first, and
+the ones ranked below it in short steps while it runs (step_ranks.py; a constrained request
+decodes, or is admitted, once its grammar mask is ready: grammar_gate.py).
+`process(batch, logits)` applies a forward pass's logits: counts, prompt logprobs, sampling, stop
+rules, inserting computed KV into the tree, finishing. It needs slot counts and logits only, so
+it is tested with fake logits. Everything here runs on the engine's loop thread.
 
 Prefill once, exactly: a waiting request is not admitted while a running request is computing
 (or holds, not yet inserted) tokens it shares beyond its own cache match; it waits for their
@@ -48,6 +49,7 @@ from runtime.scheduler.prompt_logits import PromptLogits
 from runtime.scheduler.request import Req, ReqKind, ReqStatus
 from runtime.scheduler.shares import OwnerActivity, fair_share_victims_of, step_tokens
 from runtime.scheduler.stats import scheduler_stats
+from runtime.scheduler.step_ranks import StepRanks
 from runtime.scheduler.step_time import IdleTime, StepTime
 
 if TYPE_CHECKING:
@@ -144,8 +146,10 @@ class Scheduler:
             prefilling = [r for r in self.running if not r.is_decoding]
             budget, shared = step_tokens(self)
             self._step_budget = budget
+            ranks = StepRanks(self)  # a better-ranked program running: short steps for the rest
             # owners taking turns: waiting requests start before running ones take the budget
-            entries = admit(self, budget) if shared else []
+            entries = admit(self, ranks.admission_budget(budget)) if shared else []
+            ranks.admitted(entries)
             budget -= sum(e.num_new for e in entries)
             # else: stop matching is behind (_catch_up_stops), or its mask is not ready
             ready = [r for r in decoding if not r.gen.checking_stops and self.grammar.can_sample(r)]
@@ -154,14 +158,15 @@ class Scheduler:
             if len(decodes) <= self.config.spec_max_batch:
                 decodes = self.drafter.attach(decodes, self.running, self.grammar, self.kv)
             entries += decodes
-            for req in prefilling:
-                num_new = min(req.num_tokens - req.kv.num_computed, budget)
+            for req in ranks.order(prefilling):
+                num_new = min(req.num_tokens - req.kv.num_computed, ranks.room(req, budget))
                 if num_new <= 0 or not self.kv.grow(req, req.kv.num_computed + num_new):
                     break
                 entries.append(prefill_entry(req, num_new, self.prompt_logits.max_rows > 0))
+                ranks.took(req, num_new)
                 budget -= num_new
             if not shared:
-                entries += admit(self, budget)
+                entries += admit(self, ranks.admission_budget(budget))
             if entries or not self.running or num_deferred:
                 return entries  # (none while decodes wait for masks: they will run soon)
             # only prefills that cannot get memory: make room by retracting, or fail the last

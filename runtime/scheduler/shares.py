@@ -65,12 +65,18 @@ def step_tokens(s: Scheduler) -> tuple[int, bool]:
     owner is active (their requests run, wait or arrived within ACTIVE_OWNER_S) what fits in
     `shared_step_ms` by the measured step cost (step_time.py), so no owner's long prompt or
     forced text holds another's next token for long; `chunked_prefill_tokens` for one owner."""
-    config = s.config
     if not s.activity.shared(chain(s.running, s.waiting.values())):
-        return config.chunked_prefill_tokens, False
+        return s.config.chunked_prefill_tokens, False
+    return shared_step_tokens(s), True
+
+
+def shared_step_tokens(s: Scheduler) -> int:
+    """The prompt tokens a step of `shared_step_ms` computes by the measured step cost (at
+    least MIN_SHARED_TOKENS, at most `chunked_prefill_tokens`)."""
+    config = s.config
     fitting = s.step_time.tokens_within(config.shared_step_ms / 1000)
     shared = UNMEASURED_SHARED_TOKENS if fitting is None else max(MIN_SHARED_TOKENS, fitting)
-    return min(config.chunked_prefill_tokens, shared), True
+    return min(config.chunked_prefill_tokens, shared)
 
 
 def fair_share_victims_of(s: Scheduler) -> list[Req]:
