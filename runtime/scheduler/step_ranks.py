@@ -10,9 +10,10 @@ newcomer has the least service, and a program that asks for little is done befor
 Autellix preempts lower queues for it, SGLang lower priorities (`--enable-priority-scheduling`);
 here the requests ranked below keep their KV and their decodes (a decode is one token: batching
 it costs little), and their prompts go on at a short step's worth of tokens a step, so none
-starves. The best rank's prompts take the step's budget first, in admission order. On the
-arriving short/long agent mix this brought the short programs' p99 from 0.90x lru's to 0.59x
-(RESULTS.md, "Short steps for the programs ranked below").
+starves. The best rank's prompts take the step's budget first, in admission order. Side by side
+on the short/long agent mix it lowered every completion figure in both seed-0 cells (the arriving
+cell's short programs' p99 0.90x lru's to 0.59x), though a second run of the arriving cell put
+that p99 at 1.45x (RESULTS.md, "Short steps for the programs ranked below").
 
 With every running request at one rank nothing here changes a step.
 """
