@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -111,6 +112,26 @@ def test_arrivals_are_poisson_and_leave_the_agents_as_drawn():
     assert times[0] == 0.0 and abs(sum(gaps) / len(gaps) - 0.5) < 0.1  # mean gap 1 / rate
     first_half = [len(a.rounds) for a in arriving.agents if a.arrival_s <= times[200]]
     assert max(first_half) >= 30 and min(first_half) == 4  # short and long mix through the run
+
+
+def test_short_programs_are_counted_by_their_subagents_rounds_too():
+    """A 2-round agent that forks subagents is not short beside 3-round agents that do not:
+    its size is its rounds and its subagents' (agent_rounds), for short_p99 and the declared
+    short-first priority."""
+    mix = traces.vary(traces.PRESETS["default"], rounds=(2, 16))  # the short/long mix, seed 0
+    batch = traces.draw_batch(mix, 0, num_agents=8, pool_share=0.35, page_size=1)
+    forking = next(a for a in batch.agents if a.subagents and len(a.rounds) == 2)
+    plain = [a for a in batch.agents if not a.subagents]
+    sizes = {id(a): len(a.rounds) + sum(len(s.rounds) for s in a.subagents) for a in batch.agents}
+    assert traces.agent_rounds(forking) == sizes[id(forking)] > 2
+    assert all(traces.agent_rounds(a) == len(a.rounds) for a in plain)
+    # completions equal to the sizes: the short ones' p99 is the largest size within the
+    # median, which the forking agent's completion is not (by its own 2 rounds it would be)
+    completions = [float(sizes[id(a)]) for a in batch.agents]
+    median = statistics.median(sizes.values())
+    assert sizes[id(forking)] > median
+    assert bench.short_p99(batch, completions) == max(v for v in sizes.values() if v <= median)
+    assert bench.shortest_first({"trace": forking}) == -sizes[id(forking)]
 
 
 # ---------------------------------------------------------------------- on the tiny model

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agent_traces import PRESETS, AgentBatch, draw_batch, vary
+from agent_traces import PRESETS, AgentBatch, agent_rounds, draw_batch, vary
 from eviction_cells import TINY_MODEL, load_bench_tokenizer
 
 from flowlang.backends.local import LocalBackend
@@ -120,8 +120,8 @@ class PriorityHints(RetryingBackend):
 
 def shortest_first(args: dict) -> int:
     """SHORT_FIRST_ROW's run_batch priority: the pipeline declares each agent's size (its
-    rounds), the fewest first."""
-    return -len(args["trace"].rounds)
+    rounds and its subagents'), the fewest first."""
+    return -agent_rounds(args["trace"])
 
 
 @dataclass(frozen=True)
@@ -227,9 +227,12 @@ def completed(completions_s: list[float]) -> list[float]:
 
 
 def short_p99(batch: AgentBatch, completions_s: list[float]) -> float:
-    """p99 completion of the short programs: those with at most the median rounds."""
-    median = statistics.median(len(a.rounds) for a in batch.agents)
-    short = [c for a, c in zip(batch.agents, completions_s, strict=True) if len(a.rounds) <= median]
+    """p99 completion of the short programs: those with at most the median rounds (their own
+    and their subagents', agent_rounds)."""
+    median = statistics.median(map(agent_rounds, batch.agents))
+    short = [
+        c for a, c in zip(batch.agents, completions_s, strict=True) if agent_rounds(a) <= median
+    ]
     return percentile(completed(short), 0.99)
 
 

@@ -162,6 +162,12 @@ def agent_tokens(agent: AgentTrace) -> int:
     return own + subs + reports + 3 * MESSAGE_OVERHEAD_TOKENS
 
 
+def agent_rounds(agent: AgentTrace) -> int:
+    """An agent's size in model calls: its rounds and every subagent's (a 2-round agent that
+    forks subagents of 6 rounds each asks for more than a 7-round one that does not)."""
+    return len(agent.rounds) + sum(len(s.rounds) for s in agent.subagents)
+
+
 # ---------------------------------------------------------------------- drawing
 
 

@@ -12,8 +12,9 @@ here the requests ranked below keep their KV and their decodes (a decode is one 
 it costs little), and their prompts go on at a short step's worth of tokens a step, so none
 starves. The best rank's prompts take the step's budget first, in admission order. Side by side
 on the short/long agent mix it lowered every completion figure in both seed-0 cells (the arriving
-cell's short programs' p99 0.90x lru's to 0.59x), though a second run of the arriving cell put
-that p99 at 1.45x (RESULTS.md, "Short steps for the programs ranked below").
+cell's short programs' p99 0.90x lru's to 0.59x); over six runs of that cell the gate's mean
+was 0.72-1.30x lru's (RESULTS.md, "Short steps for the programs ranked below" and "Short
+programs counted with their subagents").
 
 With every running request at one rank nothing here changes a step.
 """
