@@ -289,8 +289,9 @@ def run_cell_rows(
     set."""
     pool = batch.pool_tokens(unbounded.working_set)
     host_gib = unbounded.working_set * unbounded.kv_bytes_per_token * HOST_HEADROOM / 2**30
-    capacity = math.ceil(batch.working_set_tokens() * UNBOUNDED_HEADROOM)
-    check_memory(max(capacity, pool) * unbounded.kv_bytes_per_token + host_gib * 2**30)
+    # engines run one at a time: a row holds the pool, and the host tier if it has one
+    host_rows = {HOST_ROW, PROGRAMS_HOST_ROW}.intersection(rows_wanted)
+    check_memory(pool * unbounded.kv_bytes_per_token + (host_gib * 2**30 if host_rows else 0))
     host = {"host_kv_gb": host_gib}
     extra = {TTL_ROW: {"tool_pin_ttl_s": batch.time_scale}, HOST_ROW: host, PROGRAMS_HOST_ROW: host}
     rows = {}

@@ -160,15 +160,15 @@ class AdmissionPass:
         return SKIP
 
     def entry_priced(self, req: Req, short: int) -> bool:
-        """A program that does not fit beside the kept KV enters anyway when that is cheaper
-        than recomputing the `short` tokens it evicts: with nothing running, than waiting for
-        the soonest return; with others running, than the steps it would later run alone."""
-        programs, now_s = self.programs, self.s.lookahead.now_s
+        """A program that does not fit beside the kept KV enters anyway when recomputing the
+        `short` tokens it evicts costs less than the engine has idled since it arrived, or,
+        with nothing running, than waiting for the soonest return (programs.py)."""
+        programs = self.programs
         if programs.idled_past_recompute(req, short):
             return True
         if not self.s.running and not self.entries:
-            return programs.waiting_costs_more(short, now_s)
-        return programs.joining_costs_less(req, short)
+            return programs.waiting_costs_more(short, self.s.lookahead.now_s)
+        return False
 
     def displaces_for(self, req: Req, short: int) -> bool:
         """Paused programs of a lower rank (lower priority, or more attained service: PLAS)

@@ -39,18 +39,19 @@ When nothing runs and every program in is paused on its tools, a waiting program
 if recomputing the kept KV it would evict (c per token) costs less than waiting for the soonest
 expected return. A return is expected when it was declared (GraphHints.next_turn_after_s:
 flowlang sends the slowest offered tool's latency_s) until returns after that declaration have
-been seen: then after the gap they took. While others run, it enters if that recompute costs
-less than the fixed costs its decode steps share by riding the running steps now (t0 for each
-token it is expected to decode) instead of paying for steps of their own later, with fewer
-programs in to share them. On the default model (t0 worth 15-100 recomputed tokens, entries that
-evict thousands) that keeps the gate as it was; on the tiny model (t0 worth ~36) it lets a few
-in, and the gate still runs more steps than lru there (RESULTS.md). (Pricing the wait by the
-running tokens alone, whatever the recompute, let 365 programs in on the default model: 1.63x
-the bound instead of 1.20x.) And whether others run or not, a waiting program enters once the
-engine has sat idle since it arrived for as long as recomputing what it evicts would take (ski
-rental, `idled_past_recompute`): on the tiny model the engine idles about half the time while
-programs wait on tools and clients, and a program held out of an idle engine was the gate's
-loss against lru there; on the default model the engine does not idle and nothing changes.
+been seen: then after the gap they took. And whether others run or not, a waiting program enters
+once the engine has sat idle since it arrived for as long as recomputing what it evicts would
+take (ski rental, `idled_past_recompute`): on the tiny model the engine idles about half the
+time while programs wait on tools and clients, and a program held out of an idle engine was the
+gate's loss against lru there; where compute is the bottleneck the engine does not idle and the
+program waits. While others run and the engine is busy, a program that does not fit waits: a
+price that let it in to share the running steps' fixed cost (t0 for each token it would decode)
+was tried and removed. It weighed one request's decodes against the KV evicted now, but the
+entrant grows into the pool over its later turns and the kept paths it then evicts were not
+priced. Side by side without it, the gate computed less in 7 of 8 tiny cells with makespans
+level, 1.25x the bound instead of 1.38x on 20 agents with the default model (its mean 4% longer
+in that run), and 68,851 tokens instead of 80,666 on W1 in rounds at a 50% pool in the same wall
+time (RESULTS.md, "The joining price removed").
 
 `NoPrograms` is the gate turned off (`program_admission=False`, or eviction that knows no
 future): every request is its own program and nothing is held.
@@ -83,7 +84,7 @@ LATE_S = 1.0
 HEADROOM_DECAY = 0.1
 # a service level's quantum (program_service.service_level), as a share of the pool
 SERVICE_QUANTUM_SHARE = 1 / 8
-GAP_DECAY = 0.2  # each return seen moves the learned gap (and decode length) this far towards it
+GAP_DECAY = 0.2  # each return seen moves the learned gap this far towards it
 
 
 def program_key(req: Req) -> tuple[Hashable, str] | None:
@@ -129,9 +130,6 @@ class ProgramGate:
         # a lower tier keeps what the pool evicts: a paused program's path is then loaded
         # back on its return (prefetched ahead of it, lookahead.py), never recomputed
         self.tiers_keep = kv.tiers.keeps_evicted
-        # tokens a program's request decodes, learned (decayed mean): max_new_tokens is a
-        # bound, and an HTTP client's may be far above what its answers take
-        self.decoded_tokens: float | None = None
         self.displaced = 0  # programs displaced by one of less attained service (a counter)
 
     # ------------------------------------------------------------------ what happens
@@ -189,9 +187,6 @@ class ProgramGate:
         record = self.programs.get(key)
         if record is not None:
             record.num_running -= 1
-        if key is not None and req.gen.finished and req.error is None:  # (a failure decodes 0)
-            seen, decoded = self.decoded_tokens, len(req.gen.output_ids)
-            self.decoded_tokens = decoded if seen is None else seen + GAP_DECAY * (decoded - seen)
 
     def advance(self, now_s: float) -> None:
         """Once a step: a paused branch whose path was evicted, or overdue past its return
@@ -344,19 +339,6 @@ class ProgramGate:
         worth paying for)."""
         fit = self.step_time.fit()
         return math.inf if fit is None else fit[1] * tokens
-
-    def joining_costs_less(self, req: Req, evicts_tokens: int) -> bool:
-        """Others run: whether `req` joining their steps now saves more step time than
-        recomputing `evicts_tokens` of kept KV costs: each token it decodes rides a step that
-        runs anyway (t0 paid once for all its rows) instead of a step of its own later."""
-        fit = self.step_time.fit()
-        if fit is None:
-            return False  # unmeasured: the kept KV's worth is unknown too; keep it
-        fixed_s, per_token_s = fit
-        decodes = req.remaining_new_tokens
-        if self.decoded_tokens is not None:
-            decodes = min(decodes, self.decoded_tokens)
-        return per_token_s * evicts_tokens < fixed_s * decodes
 
     def stats(self) -> dict[str, float]:
         return {
