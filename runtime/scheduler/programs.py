@@ -50,8 +50,8 @@ was tried and removed. It weighed one request's decodes against the KV evicted n
 entrant grows into the pool over its later turns and the kept paths it then evicts were not
 priced. Side by side without it, the gate computed less in 7 of 8 tiny cells with makespans
 level, 1.25x the bound instead of 1.38x on 20 agents with the default model (its mean 4% longer
-in that run), and 68,851 tokens instead of 80,666 on W1 in rounds at a 50% pool in the same wall
-time (RESULTS.md, "The joining price removed").
+in that run), and 68,851 tokens instead of 80,666 on W1 in rounds at a 50% pool in about the same
+wall time (RESULTS.md, "The joining price removed").
 
 `NoPrograms` is the gate turned off (`program_admission=False`, or eviction that knows no
 future): every request is its own program and nothing is held.
