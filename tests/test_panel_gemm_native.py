@@ -139,6 +139,7 @@ def test_released_openmp_workers_come_back_for_the_next_parallel_region(ops):
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     seed=st.integers(0, 2**16),
 )
+@example(extend_lens=[17, 17], dtype=torch.bfloat16, seed=0)  # oneDNN's bf16 rows vary with M
 def test_a_row_gets_the_same_bits_in_any_batch(extend_lens, dtype, seed):
     """Within a forward of any mix of decodes, verified drafts and extends, a decode-shaped
     sequence's rows equal its rows computed alone, an extend's rows equal its rows alone through

@@ -25,6 +25,10 @@ compare versions of cpu_backend.py and its kernels.
 With --draft-rows, one sequence's verifying pass instead: n new rows (a draft of n - 1 tokens
 and the real one, causal among them) over 500 and 2,000 scattered keys, the paged decode kernel
 as a batch-1 verification calls it, and the time each row beyond the first adds.
+With --extends, a batch-invariant forward's GEMMs over several extends (runtime/model/linear.py,
+`routed_rows`) on SmolLM2's four projections against the same calls unrouted (one GEMM for all
+the rows: the panel up to PANEL_MAX_ROWS, else oneDNN). Routed, the extends' rows take oneDNN,
+in bf16 one GEMM per extend.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from runtime.cache.pool import KVPool
 from runtime.model.attention.cascade import causal_attention_with_lse, flash_attention_with_lse
 from runtime.model.attention.cpu_backend import CpuPagedAttention
 from runtime.model.batch import ForwardBatch
+from runtime.model.linear import Linear, routed_rows
 from runtime.model.native.kernels import GGML_Q4_1, GGML_Q8_0, load_cpu_kernels
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -129,6 +134,36 @@ def gemm_table(kernels, dtype: torch.dtype, repeats: int) -> None:
         print(
             f"| {rows} | {str(dtype).removeprefix('torch.')} | {onednn_ms:.2f} | {panel_ms:.2f} "
             f"| {panel_ms / onednn_ms:.2f}x |"
+        )
+
+
+EXTENDS = ((17, 17), (20,) * 16, (32,) * 8, (64,) * 4, (256,) * 2, (512,) * 2)
+
+
+def extends_table(dtype: torch.dtype, repeats: int) -> None:
+    """Routed (batch-invariant) against unrouted Linear calls, interleaved per extend mix."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(n, k, generator=gen) * 0.05).to(dtype) for k, n in GEMM_SHAPES]
+    linears = [Linear(w, None, pack=True) for w in weights]
+    for lens in EXTENDS:
+        xs = [torch.randn(sum(lens), k, generator=gen).to(dtype) for k, _ in GEMM_SHAPES]
+
+        def unrouted(xs=xs):
+            for x, linear in zip(xs, linears, strict=True):
+                linear(x)
+
+        def routed(xs=xs, lens=lens):
+            with routed_rows(lens):
+                unrouted(xs)
+
+        times = {unrouted: [], routed: []}
+        for _ in range(repeats):
+            for fn, ms in times.items():
+                ms.append(median_ms(fn, 1))
+        plain_ms, routed_ms = (statistics.median(ms) for ms in times.values())
+        print(
+            f"| {str(dtype).removeprefix('torch.')} | {len(lens)} x {lens[0]} | {plain_ms:.2f} "
+            f"| {routed_ms:.2f} | {routed_ms / plain_ms:.2f}x |"
         )
 
 
@@ -238,11 +273,12 @@ def backend_table(dtype: torch.dtype, repeats: int, batch_invariant: bool) -> No
 
 DRAFT_ROWS_HEADER = "| dtype | keys | 1 row µs | 2 | 3 | 5 | 9 | 16 | µs per extra row |"
 BACKEND_HEADER = "| batch of | dtype | sequences | new tokens each | ms per layer | cascades |"
+EXTENDS_HEADER = "| dtype | extends | unrouted ms | routed ms | routed / unrouted |"
 GEMM_HEADER = "| rows | dtype | oneDNN ms | panel ms | panel / oneDNN |"
 QUANT_HEADER = (
     "| dtype | in -> out | rows | panel µs (GB/s) | Q8_0 (a) | Q8_0 (b) | Q4_1 (a) | Q4_1 (b) |"
 )
-TEXT = ("dtype", "batch of", "in -> out")  # left-aligned columns; the rest are numbers
+TEXT = ("dtype", "batch of", "in -> out", "extends")  # left-aligned columns; the rest are numbers
 
 
 def main() -> None:
@@ -254,6 +290,7 @@ def main() -> None:
     parser.add_argument("--quant", action="store_true", help="GGUF Q8_0 / Q4_1 GEMM instead")
     parser.add_argument("--batch-invariant", action="store_true", help="with --backend")
     parser.add_argument("--draft-rows", action="store_true", help="a verifying pass's rows")
+    parser.add_argument("--extends", action="store_true", help="batch-invariant extend GEMMs")
     args = parser.parse_args()
     kernels = load_cpu_kernels()
     print(f"torch threads: {torch.get_num_threads()}, medians of {args.repeats}\n")
@@ -265,6 +302,7 @@ def main() -> None:
             lambda d: backend_table(d, args.repeats, args.batch_invariant),
         ),
         (args.gemm, GEMM_HEADER, lambda d: gemm_table(kernels, d, args.repeats)),
+        (args.extends, EXTENDS_HEADER, lambda d: extends_table(d, args.repeats)),
         (args.quant, QUANT_HEADER, lambda d: quant_table(kernels, d, args.repeats)),
     )
     for chosen, header, table in tables:

@@ -12,11 +12,14 @@ forward that verifies drafts (every sequence at most MAX_DECODE_ROWS new tokens,
 one) keeps the panel up to DECODE_PANEL_MAX_ROWS rows (`decode_shaped`), so that a verified
 draft's rows sum as the plain decodes they replace.
 
-Each GEMM computes a row's sums in an order of its own, and each computes a row alike whatever
-the other rows (oneDNN from 2 rows up). So in a batch-invariant engine (`routed_rows`) the rows
-of sequences with at most MAX_DECODE_ROWS new tokens always take the panel, the rows of longer
-extends always oneDNN, and the LM head's rows always the panel: a token's sums never depend on
-what else is in its batch.
+Each GEMM computes a row's sums in an order of its own. The panel computes a row alike whatever
+the other rows, and so does oneDNN in fp32 (from 2 rows up); in bf16 oneDNN's blocking, and so a
+row's sums, changes with the row count (a 17-row GEMM's rows differ from the same rows in a
+34-row one). So in a batch-invariant engine (`routed_rows`) the rows of sequences with at most
+MAX_DECODE_ROWS new tokens always take the panel, the rows of longer extends oneDNN (in bf16 one
+GEMM per extend: 1.35-4.4x the time of one GEMM for them all, RESULTS.md "batch invariance in
+bf16"), and the LM head's rows always the panel: a token's sums never depend on what else is in
+its batch.
 """
 
 from __future__ import annotations
@@ -67,19 +70,25 @@ def decode_shaped(extend_lens: tuple[int, ...]) -> Iterator[None]:
 @dataclass(frozen=True)
 class RowRoutes:
     """A forward's token rows by GEMM: `panel` (decode-shaped sequences' rows) and `dense`
-    (longer extends' rows), each a slice when the rows are one run, None when there are none."""
+    (longer extends' rows), each a slice when the rows are one run, None when there are none;
+    `extends`: each longer extend's rows."""
 
     num_tokens: int
     panel: slice | torch.Tensor | None
     dense: slice | torch.Tensor | None
+    extends: tuple[slice, ...]
 
     @classmethod
     def of(cls, extend_lens: tuple[int, ...]) -> RowRoutes:
         panel, dense, start = [], [], 0
         for n in extend_lens:
-            (panel if n <= MAX_DECODE_ROWS else dense).extend(range(start, start + n))
+            if n <= MAX_DECODE_ROWS:
+                panel.extend(range(start, start + n))
+            else:
+                dense.append(slice(start, start + n))
             start += n
-        return cls(start, _as_index(panel), _as_index(dense))
+        dense_rows = [row for extend in dense for row in range(extend.start, extend.stop)]
+        return cls(start, _as_index(panel), _as_index(dense_rows), tuple(dense))
 
 
 def _as_index(rows: list[int]) -> slice | torch.Tensor | None:
@@ -143,6 +152,8 @@ class Linear:
         self.logits = logits
         self._native = native_panel_gemm(weight) if pack else None
         self._panel_rows = PANEL_MAX_ROWS[weight.dtype] if self._native is not None else 0
+        # oneDNN sums a row alike whatever the row count in fp32 only (measured: module doc)
+        self._dense_rows_alike = weight.dtype == torch.float32
         self.quant: tuple[torch.Tensor, int] | None = None  # (quant_pack's layout, GGML type)
         self.block_types: tuple[int, ...] = ()  # the GGUF type of each part on blocks
         if blocks and self._native is not None and self._native.quant_gemm_supported():
@@ -171,11 +182,19 @@ class Linear:
         if self.takes_panel(rows):
             return self._panel(x)
         routes = _routes.get()
-        if routes is None or routes.num_tokens != rows or routes.panel is None:
+        if routes is None or routes.num_tokens != rows:
+            return self._dense(x)
+        dense_at_once = self._dense_rows_alike or len(routes.extends) == 1
+        if routes.panel is None and dense_at_once:
             return self._dense(x)
         out = x.new_empty(rows, self.out_features)
-        out[routes.panel] = self._panel(x[routes.panel])
-        out[routes.dense] = self._dense(x[routes.dense])
+        if routes.panel is not None:
+            out[routes.panel] = self._panel(x[routes.panel])
+        if dense_at_once:
+            out[routes.dense] = self._dense(x[routes.dense])
+        else:
+            for extend in routes.extends:  # each alone: its rows' sums as when alone
+                out[extend] = self._dense(x[extend])
         return out
 
     def takes_panel(self, rows: int) -> bool:
