@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from agent_traces import PRESETS, AgentBatch, agent_rounds, draw_batch, vary
 from eviction_cells import TINY_MODEL, load_bench_tokenizer
 
@@ -42,6 +43,10 @@ from runtime.cache.replay import working_set
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.engine_tools import cache_trace
+from runtime.model.arch import ModelArch
+from runtime.model.loader import load_config
+from runtime.model.random_weights import random_checkpoint
+from runtime.model.registry import resolve_model
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 POOL_BYTES_CAP = 10 * 2**30  # pool + host tier per engine: two engines fit in 24 GB
@@ -268,6 +273,7 @@ def run_cell(
 ) -> dict[str, RowResult]:
     """The unbounded run first (it sizes the others' pools), then each of `rows_wanted`."""
     capacity = math.ceil(batch.working_set_tokens() * UNBOUNDED_HEADROOM)
+    check_memory(capacity * kv_bytes_per_token(model))  # before its minutes of running
     unbounded = run_row(batch, model, tokenizer, capacity, "lru", record_trace=True,
                         attention_backend=attention)  # fmt: skip
     return {
@@ -304,6 +310,16 @@ def run_cell_rows(
             batch, model, tokenizer, pool, policy, backend, show_stats, priority, **settings
         )
     return rows
+
+
+def kv_bytes_per_token(model: str) -> int:
+    """What a token's KV takes in an engine of `model` at the default dtype, from its config
+    (a random model's is built: it is tiny)."""
+    if model.startswith("random:"):
+        config = random_checkpoint(model, torch.float32, "cpu").hf_config
+    else:
+        config = load_config(resolve_model(model))
+    return ModelArch.from_hf(config).kv_bytes_per_token(EngineConfig().dtype)
 
 
 def check_memory(bytes_needed: float) -> None:
