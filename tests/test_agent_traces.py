@@ -185,3 +185,7 @@ def test_every_baseline_row_replays_the_batch_with_the_same_outputs(
     row = rows[name]
     assert not row.failures and row.outputs == unbounded.outputs
     assert row.computed >= unbounded.computed
+    # what the returns computed again is part of what the row computed over the exact bound
+    assert 0 <= row.returns_recomputed <= row.computed - unbounded.computed
+    if name == bench.PROGRAMS_ROW:
+        assert row.returns_recomputed > 0  # (the pool is short: some paused path was lost)

@@ -101,6 +101,7 @@ def b_waits_however_long_and_a_keeps_its_path(sched: Scheduler, a: Req, b: Req) 
     back = a_returns(sched, a)
     run(sched)
     assert back.usage.cached_tokens == len(a.all_ids) - 1 and b.gen.finished
+    assert sched.lookahead.programs.returns_recomputed_tokens == 0  # nothing computed again
 
 
 def test_a_new_program_waits_while_a_paused_programs_kv_is_dear_to_recompute():
@@ -214,6 +215,9 @@ def test_a_program_of_less_service_displaces_a_paused_one_once_it_has_waited_its
     assert not gate.is_in(back)  # A enters again, in order
     run(sched)
     assert back.usage.cached_tokens < len(a.all_ids) - 1 and b.gen.finished
+    # what A computes again of the path it paused at is counted, and only that
+    paused_depth = len(a.all_ids) - 1
+    assert gate.returns_recomputed_tokens == paused_depth - back.usage.cached_tokens > 0
 
 
 def test_a_program_of_the_same_service_level_displaces_none():

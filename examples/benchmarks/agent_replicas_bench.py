@@ -118,8 +118,9 @@ def run_cluster_row(
         stats = cluster.stats()
         per_replica = [int(stats[i]["prefill_tokens_total"]) for i in sorted(stats)]
         evicted = sum(int(s["evicted_tokens_total"]) for s in stats.values())
+        recomputed = sum(int(s["program_returns_recomputed_tokens_total"]) for s in stats.values())
         result = RowResult(sum(per_replica), evicted, *program_results(states),
-                           makespan_s, 0, 0, 0, backend.retries)  # fmt: skip
+                           makespan_s, 0, 0, 0, backend.retries, recomputed)  # fmt: skip
         return ClusterRow(result, cluster.router.program_homes()[1], per_replica)
 
 

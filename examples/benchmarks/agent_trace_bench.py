@@ -56,6 +56,7 @@ RETRY_AFTER_S = 0.05  # a refused request is resubmitted after this
 # --stats: after each row, what the scheduler did (to stderr)
 STATS_SHOWN = ("programs_entered_total", "programs_entered_priced_total",
                "program_entries_deferred_total", "program_kept_lost_tokens_total",
+               "program_returns_recomputed_tokens_total",
                "program_headroom_tokens", "programs_displaced_total",
                "admissions_held_total", "retractions_total",
                "evicted_tokens_total", "steps_total")  # fmt: skip
@@ -141,6 +142,9 @@ class RowResult:
     analytic_bound: int  # prefill lower bound from the recorded requests (unbounded row only)
     kv_bytes_per_token: int
     retries: int  # requests the engine refused as busy, resubmitted
+    # of `computed`, what branches back from their tools computed again of the paths they
+    # paused at (the program gate's counter; 0 without it)
+    returns_recomputed: int = 0
 
 
 def make_engine(model: str, tokenizer, capacity: int, policy: str, batch, **settings) -> Engine:
@@ -191,6 +195,7 @@ def run_row(
             backend.prompt_report()["lower_bound"] if recording else 0,
             engine.arch.kv_bytes_per_token(engine.config.dtype),
             backend.retries,
+            int(stats["program_returns_recomputed_tokens_total"]),
         )
 
 

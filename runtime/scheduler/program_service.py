@@ -1,5 +1,6 @@
 """A program's record for the program gate (programs.py): when it was first seen, its requests
-running, and its attained service along its critical path (Autellix's ATLAS).
+running, its attained service along its critical path (Autellix's ATLAS), and where its
+branches paused on their tools (what a branch back computes again of that path is counted).
 
 Least attained service first (PLAS) favours short programs over long ones. A program that forks
 (subagents, parallel calls) computes on several branches at once; summing them would rank it
@@ -12,6 +13,12 @@ longest of the branches that joined into it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from runtime.prefix import common_prefix_len
+
+if TYPE_CHECKING:
+    from runtime.cache.nodes import TreeNode
 
 MAX_PROGRAM_BRANCHES = 64  # branch paths remembered per program (the oldest dropped first)
 TRUNK = "0"  # the branch of a program's first request (flowlang's executor numbering)
@@ -36,6 +43,9 @@ class ProgramRecord:
     critical_tokens: int = 0  # tokens computed along its longest path so far
     priority: int = 0  # GraphHints.priority of its latest request to start (higher first)
     path_tokens: dict[str, int] = field(default_factory=dict)  # per branch: along its path
+    # per branch paused on its tools: the tree node its path ended at (the object, its key
+    # and its parents outlive the node's eviction)
+    paused_nodes: dict[str, TreeNode] = field(default_factory=dict)
 
     def charge(self, branch: str | None, tokens: int) -> None:
         """A request of `branch` starts and computes `tokens` of prompt."""
@@ -51,6 +61,24 @@ class ProgramRecord:
             self.path_tokens.pop(next(iter(self.path_tokens)))
         self.critical_tokens = max(self.critical_tokens, here + tokens)
 
+    def paused(self, branch: str | None, node: TreeNode) -> None:
+        """`branch` paused on its tools with its path ending at `node`."""
+        branch = branch or TRUNK
+        self.paused_nodes.pop(branch, None)
+        self.paused_nodes[branch] = node  # (the most recently paused last)
+        if len(self.paused_nodes) > MAX_PROGRAM_BRANCHES:
+            self.paused_nodes.pop(next(iter(self.paused_nodes)))
+
+    def recomputed(self, branch: str | None, prompt_ids: list[int], cached_tokens: int) -> int:
+        """`branch` is back with `prompt_ids` and found `cached_tokens` of them in the pool:
+        how many of them it computes again that the path it paused at held (0 if it was not
+        paused). Only what the prompt shares with that path counts: a next prompt may extend
+        less of it (a reply tokenized again), and the rest was never the pool's to keep."""
+        node = self.paused_nodes.pop(branch or TRUNK, None)
+        if node is None:
+            return 0
+        return max(0, common_prefix_len(path_ids(node), list(prompt_ids)) - cached_tokens)
+
 
 def service_level(critical_tokens: int, quantum_tokens: int) -> int:
     """A program's priority level by attained service, 0 the highest: level k holds services
@@ -62,3 +90,12 @@ def service_level(critical_tokens: int, quantum_tokens: int) -> int:
     [0, 0, 1, 1, 2, 3]
     """
     return (critical_tokens // quantum_tokens + 1).bit_length() - 1
+
+
+def path_ids(node: TreeNode) -> list[int]:
+    """The token ids from the root to the end of `node`'s edge."""
+    keys = []
+    while node.parent is not None:
+        keys.append(node.key)
+        node = node.parent
+    return [token for key in reversed(keys) for token in key]

@@ -69,7 +69,11 @@ from runtime.cache.graph_policy import CONTINUATION_GRACE_S
 from runtime.cache.nodes import owner_of, private_path
 from runtime.protocol import MAX_HINT_RETURN_S
 from runtime.scheduler.branches import MAX_BRANCHES, BranchTable, branch_key
-from runtime.scheduler.program_service import ProgramRecord, service_level
+from runtime.scheduler.program_service import (
+    MAX_PROGRAM_BRANCHES,
+    ProgramRecord,
+    service_level,
+)
 from runtime.scheduler.request import Req
 from runtime.scheduler.step_time import IdleTime, StepTime
 
@@ -127,6 +131,9 @@ class ProgramGate:
         self.pool_slots = kv.allocator.num_slots
         self.headroom_tokens = 0.0
         self.kept_lost_tokens = 0  # kept paths lost to eviction, their lengths (a counter)
+        # what branches back from their tools computed again of the paths they paused at: the
+        # prefill over the exact bound that keeping (or not keeping) paused paths decides
+        self.returns_recomputed_tokens = 0
         # a lower tier keeps what the pool evicts: a paused program's path is then loaded
         # back on its return (prefetched ahead of it, lookahead.py), never recomputed
         self.tiers_keep = kv.tiers.keeps_evicted
@@ -162,7 +169,10 @@ class ProgramGate:
             record = self.programs.setdefault(key, ProgramRecord(0.0))
             record.num_running += 1
             record.priority = req.hints.priority
-            # the prompt it computes (its cached prefix is taken by now): attained service
+            cached = req.kv.num_computed  # (its cached prefix is taken by now)
+            branch = req.hints.branch_id
+            self.returns_recomputed_tokens += record.recomputed(branch, req.prompt_ids, cached)
+            # the prompt it computes: attained service
             record.charge(req.hints.branch_id, req.num_tokens - req.kv.num_computed)
             self._running[req.rid] = key
             self.paused.pop(branch_key(req))  # its branch is back
@@ -173,6 +183,9 @@ class ProgramGate:
         key = program_key(req)
         if key is not None:
             node = self.kv.cache.resolve(position)
+            record = self.programs.get(key)
+            if record is not None:
+                record.paused(req.hints.branch_id, node)
             back_s = now_s + self.gap_s.get(declared_s, declared_s)
             self.paused.put(branch_key(req), Paused(node, back_s, now_s, declared_s))
             self._paused_branches.setdefault(key, set()).add(branch_key(req))
@@ -343,6 +356,7 @@ class ProgramGate:
     def stats(self) -> dict[str, float]:
         return {
             "program_kept_lost_tokens_total": self.kept_lost_tokens,
+            "program_returns_recomputed_tokens_total": self.returns_recomputed_tokens,
             "program_headroom_tokens": self.headroom_tokens,
             "programs_displaced_total": self.displaced,
         }
@@ -359,6 +373,8 @@ class ProgramGate:
         assert self.kept_tokens() <= self.kv.cache.evictable_size
         for branch, _ in self.paused.items():
             assert branch in self._paused_branches.get(branch[:2], ()), f"{branch} not indexed"
+        for key, record in self.programs.items():  # (a record's branches are bounded)
+            assert len(record.paused_nodes) <= MAX_PROGRAM_BRANCHES, f"program {key} unbounded"
 
 
 class NoPrograms:
@@ -390,4 +406,5 @@ class NoPrograms:
 
     def stats(self) -> dict[str, float]:
         return {"program_kept_lost_tokens_total": 0, "program_headroom_tokens": 0.0,
-                "programs_displaced_total": 0}  # fmt: skip
+                "programs_displaced_total": 0,
+                "program_returns_recomputed_tokens_total": 0}  # fmt: skip

@@ -19,6 +19,7 @@ COUNTERS = {
     "programs_entered_priced_total",
     "program_entries_deferred_total",
     "program_kept_lost_tokens_total",
+    "program_returns_recomputed_tokens_total",
     "programs_displaced_total",
     "requests_finished_total",
     "requests_aborted_total",
