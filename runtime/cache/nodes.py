@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.prefix import common_prefix_len
+
 Namespace = Hashable  # cache salt / adapter id; None is the default namespace
 EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 
@@ -142,3 +144,20 @@ def private_path(node: TreeNode) -> Iterator[TreeNode]:
         if parent.parent is None or len(parent.children) > 1:
             return
         node = parent
+
+
+def path_shares(node: TreeNode, token_ids: tuple[int, ...]) -> int:
+    """How many leading tokens of `token_ids` the path from the root to the end of `node`'s
+    edge holds (its key and parents outlive an eviction): one compare per edge, not per token.
+    """
+    keys = []
+    while node.parent is not None:
+        keys.append(node.key)
+        node = node.parent
+    shared = 0
+    for key in reversed(keys):
+        same = common_prefix_len(key, token_ids, shared)
+        shared += same
+        if same < len(key):
+            break
+    return shared

@@ -13,12 +13,8 @@ longest of the branches that joined into it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from runtime.prefix import common_prefix_len
-
-if TYPE_CHECKING:
-    from runtime.cache.nodes import TreeNode
+from runtime.cache.nodes import TreeNode, path_shares
 
 MAX_PROGRAM_BRANCHES = 64  # branch paths remembered per program (the oldest dropped first)
 TRUNK = "0"  # the branch of a program's first request (flowlang's executor numbering)
@@ -77,7 +73,7 @@ class ProgramRecord:
         node = self.paused_nodes.pop(branch or TRUNK, None)
         if node is None:
             return 0
-        return max(0, common_prefix_len(path_ids(node), list(prompt_ids)) - cached_tokens)
+        return max(0, path_shares(node, tuple(prompt_ids)) - cached_tokens)
 
 
 def service_level(critical_tokens: int, quantum_tokens: int) -> int:
@@ -90,12 +86,3 @@ def service_level(critical_tokens: int, quantum_tokens: int) -> int:
     [0, 0, 1, 1, 2, 3]
     """
     return (critical_tokens // quantum_tokens + 1).bit_length() - 1
-
-
-def path_ids(node: TreeNode) -> list[int]:
-    """The token ids from the root to the end of `node`'s edge."""
-    keys = []
-    while node.parent is not None:
-        keys.append(node.key)
-        node = node.parent
-    return [token for key in reversed(keys) for token in key]

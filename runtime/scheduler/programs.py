@@ -172,8 +172,7 @@ class ProgramGate:
             cached = req.kv.num_computed  # (its cached prefix is taken by now)
             branch = req.hints.branch_id
             self.returns_recomputed_tokens += record.recomputed(branch, req.prompt_ids, cached)
-            # the prompt it computes: attained service
-            record.charge(req.hints.branch_id, req.num_tokens - req.kv.num_computed)
+            record.charge(branch, req.num_tokens - cached)  # the prompt it computes: service
             self._running[req.rid] = key
             self.paused.pop(branch_key(req))  # its branch is back
 
