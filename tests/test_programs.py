@@ -5,6 +5,7 @@ gate's bookkeeping holds under any sequence of programs, pauses, returns and abo
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -12,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from runtime.generation import GenerationState
 from runtime.protocol import GraphHints, SamplingParams
 from runtime.scheduler.branches import MAX_BRANCHES
+from runtime.scheduler.program_service import ProgramRecord
 from runtime.scheduler.programs import STARVATION_S, NoPrograms, ProgramGate
 from runtime.scheduler.request import Req, ReqKind
 from runtime.scheduler.scheduler import Scheduler
@@ -64,6 +66,18 @@ def priced(sched: Scheduler, per_token_s: float) -> None:
 
 def ids(seed: int, n: int) -> list[int]:
     return [(seed * 31 + 7 * i) % (VOCAB - 3) + 3 for i in range(n)]
+
+
+def learned_to_grow_little(sched: Scheduler) -> None:
+    """A program Z of 8 tokens waits on a tool, and its return (10 tokens more) ends it: the
+    gate learns that a program grows by 18 tokens after its first request (4 decoded, 10
+    computed, 4 decoded)."""
+    z = program_req("z1", ids(9, 8), "Z", after_s=0.5)
+    sched.add(z)
+    run(sched)
+    sched.add(program_req("z2", z.all_ids[:-1] + ids(8, 10), "Z", after_s=None))
+    run(sched)
+    assert list(sched.lookahead.programs.growth.seen) == [18]
 
 
 def paused_a_then_new_b(per_token_s: float, b_served_tokens: int = 0, **settings):
@@ -225,6 +239,130 @@ def test_a_program_of_the_same_service_level_displaces_none():
     path stays; B enters when A is back and done."""
     sched, a, b = paused_a_then_new_b(per_token_s=0.1, b_served_tokens=100)
     b_waits_however_long_and_a_keeps_its_path(sched, a, b)
+
+
+def test_the_growth_learned_is_what_programs_computed_and_decoded_after_their_first_request():
+    """A computes 120 tokens, decodes 4, pauses on a tool; back, it computes 10 more and
+    decodes 4 and ends: it grew by 18. B then ends after one request that waited on nothing:
+    its growth was never unknown, and is not learned from. A program that has grown 5 is then
+    expected to grow by 13 more (of those seen, A grew more, by 13); one that has grown 20,
+    past every one seen, by as much again."""
+    sched, a, b = paused_a_then_new_b(per_token_s=0.1)
+    gate = sched.lookahead.programs
+    assert not gate.growth.seen  # no program's work has ended
+    a_returns(sched, a)
+    while b.rid in sched.waiting:
+        step(sched)
+    assert list(gate.growth.seen) == [18]
+    run(sched)
+    assert b.gen.finished and list(gate.growth.seen) == [18]
+    assert sched.stats()["program_growth_tokens"] == gate.growth.mean_tokens() == 18
+    record = ProgramRecord(0.0)
+    record.computed(100, unknown=True)
+    record.decoded(5)
+    assert record.growth_due(gate.growth.seen) == 13
+    record.computed(15)
+    assert record.growth_due(gate.growth.seen) == 20
+    record.growth_unknown = False  # (a program that waited on nothing: none is due)
+    assert record.growth_due(gate.growth.seen) == 0
+
+
+GROWTH_POOL = 500  # (a service quantum of 62 tokens: a 60-token program is at level 0)
+
+
+@pytest.mark.parametrize("a_tokens, learned, enters", [(60, False, False), (60, True, True),
+                                                       (100, False, True)])  # fmt: skip
+def test_an_entrant_leaves_room_for_the_growth_still_due_to_the_programs_it_does_not_outrank(
+    a_tokens: int, learned: bool, enters: bool
+):
+    """A (60 tokens) pauses on a tool and is kept; B (200 tokens, which will wait on a tool
+    too) fits beside A's kept path. Before any program's work ended, A is expected to grow by
+    as much as its first request computed (60, of which its 4 decoded tokens are grown
+    already) and B by its prompt: B does not fit beside that too, and waits (recomputing the
+    tokens it lacks, 12 s, costs more than waiting the 4 s for A). Once the gate has learned
+    that programs grow by 18 tokens, B enters at once.
+    A of 100 tokens is a service level below B (which has computed nothing): B outranks it,
+    is served before A's growth, and enters at once."""
+    sched = scheduler(GROWTH_POOL, eviction_policy="graph")
+    now = with_clock(sched)
+    sched.idle.clock = sched.lookahead.clock  # the engine idles only on the test's clock
+    priced(sched, 0.5)
+    if learned:
+        learned_to_grow_little(sched)
+    a = program_req("a1", ids(1, a_tokens), "A", after_s=5.0)
+    sched.add(a)
+    run(sched)
+    now[0] = 1.0
+    b = program_req("b1", ids(2, 200), "B", after_s=5.0)
+    sched.add(b)
+    step(sched)
+    assert (b.rid not in sched.waiting) is enters
+    assert sched.counters["program_entries_deferred"] == int(not enters)
+    assert sched.counters["programs_entered_priced"] == 0
+    gate = sched.lookahead.programs
+    assert gate.displaced == 0 and gate.is_in(a)  # A keeps its path either way
+    back = a_returns(sched, a)
+    run(sched)
+    assert back.usage.cached_tokens == len(a.all_ids) - 1 and b.gen.finished
+
+
+def test_a_newcomer_lacking_room_only_for_the_growth_due_displaces_none():
+    """C (50 tokens, B's service level) and A (100 tokens, a level below B's) pause and are
+    kept; B (200 tokens, to wait on a tool) fits beside their kept paths, but not beside C's
+    growth still due and its own (before any program's work ended: as much as their first
+    requests). B outranks A, and displacing A would make that room; but room for growth that
+    has not come is no reason to evict A's path: however long B waits, A and C keep theirs."""
+    sched = scheduler(GROWTH_POOL, eviction_policy="graph")
+    now = with_clock(sched)
+    sched.idle.clock = sched.lookahead.clock  # the engine idles only on the test's clock
+    priced(sched, 0.5)  # recomputing what B lacks costs more than waiting for A or C
+    c = program_req("c1", ids(5, 50), "C", after_s=4.0)
+    a = program_req("a1", ids(1, 100), "A", after_s=5.0)
+    for req in (c, a):
+        sched.add(req)
+        run(sched)
+    now[0] = 1.0
+    b = program_req("b1", ids(2, 200), "B", after_s=5.0)
+    sched.add(b)
+    gate = sched.lookahead.programs
+    b.usage.submitted_s -= 1_000.0
+    for _ in range(3):
+        step(sched)
+    assert b.rid in sched.waiting and gate.displaced == 0
+    assert gate.is_in(a) and gate.is_in(c)
+    assert sched.counters["program_entries_deferred"] == 3
+
+
+def test_growth_is_reserved_only_for_programs_that_wait_on_what_no_one_knows_ahead():
+    """A (60 tokens) is in, its next request due right away (a chat's queued turn: it says
+    what it has queued, GraphHints.future_tokens, and graph eviction keeps what that turn will
+    read); B (200 tokens, likewise) then fits beside A's path, and enters: no growth is
+    reserved for either. When both wait on their tools (GraphHints.next_turn_after_s), what
+    comes back is known to no one: A is expected to grow by the 60 its first request computed,
+    and B by its prompt, and B does not fit (it enters only priced: with nothing running,
+    recomputing the tokens it lacks costs less than waiting for A). Only unknown growth is
+    learned from."""
+    for after_s in (None, 5.0):
+        sched = scheduler(GROWTH_POOL, eviction_policy="graph")
+        now = with_clock(sched)
+        sched.idle.clock = sched.lookahead.clock
+        priced(sched, 0.1)
+        a = program_req("a1", ids(1, 60), "A", after_s=after_s)
+        a.hints = a.hints.model_copy(update={"continuation": True, "future_tokens": 8})
+        sched.add(a)
+        run(sched)
+        now[0] = 1.0
+        b = program_req("b1", ids(2, 200), "B", after_s=after_s)
+        b.hints = b.hints.model_copy(update={"continuation": True, "future_tokens": 8})
+        sched.add(b)
+        step(sched)
+        gate = sched.lookahead.programs
+        unknown = after_s is not None
+        assert gate.programs[(None, "A")].growth_unknown is unknown
+        assert sched.counters["programs_entered"] == 1 + (not unknown), after_s  # A, then B?
+        assert sched.counters["programs_entered_priced"] == unknown
+        gate.growth.ended(gate.programs[(None, "A")])
+        assert list(gate.growth.seen) == ([4] if unknown else [])
 
 
 def test_a_late_program_is_not_waited_for():

@@ -57,7 +57,7 @@ RETRY_AFTER_S = 0.05  # a refused request is resubmitted after this
 STATS_SHOWN = ("programs_entered_total", "programs_entered_priced_total",
                "program_entries_deferred_total", "program_kept_lost_tokens_total",
                "program_returns_recomputed_tokens_total",
-               "program_headroom_tokens", "programs_displaced_total",
+               "program_headroom_tokens", "program_growth_tokens", "programs_displaced_total",
                "admissions_held_total", "retractions_total",
                "evicted_tokens_total", "steps_total")  # fmt: skip
 

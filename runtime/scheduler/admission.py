@@ -147,10 +147,18 @@ class AdmissionPass:
             self.entrants.pop(0)  # started this pass, or its program entered meanwhile
         if self.entry_closed or not self.entrants or self.entrants[0] is not req:
             return SKIP  # not its program's turn
-        # kept KV it would evict, and the room the programs it does not outrank grow into
-        headroom = programs.headroom_for(req)
-        short = self.takes(req) + self.kept + headroom - self.available
-        if short <= 0 or self.entry_priced(req, short) or self.displaces_for(req, short - headroom):
+        # kept KV it would evict, and the room it and the programs in grow into
+        takes = self.takes(req)
+        growth, learned = programs.headroom_for(req, takes)
+        short = takes + self.kept + growth + learned - self.available
+        # (lacking room only for the growth due, it displaces none: displacing would evict a
+        # paused program's path for growth that has not come, and newcomers often lack that)
+        lacks = short - growth
+        if (
+            short <= 0
+            or self.entry_priced(req, short)
+            or (lacks > 0 and self.displaces_for(req, lacks - learned))
+        ):
             self.entrants.pop(0)
             programs.entered()
             s.counters["programs_entered" if short <= 0 else "programs_entered_priced"] += 1
@@ -174,8 +182,8 @@ class AdmissionPass:
         """Paused programs of a lower rank (lower priority, or more attained service: PLAS)
         give up their kept KV to `req`'s program when that makes its `short` tokens fit beside
         the other kept KV, the lowest first: at least one of them, whose room stands in for the
-        headroom the programs in keep to grow into. Priced by ski rental: only once `req` has
-        waited as long as recomputing what they give up would take (programs.py)."""
+        learned headroom the programs in keep to grow into. Priced by ski rental: only once
+        `req` has waited as long as recomputing what they give up would take (programs.py)."""
         programs = self.programs
         displaced = programs.displaced_by(req, short)
         if not displaced or not programs.waited_past_recompute(req, sum(t for _, t in displaced)):

@@ -12,6 +12,7 @@ longest of the branches that joined into it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from runtime.cache.nodes import TreeNode, path_shares
@@ -42,6 +43,52 @@ class ProgramRecord:
     # per branch paused on its tools: the tree node its path ended at (the object, its key
     # and its parents outlive the node's eviction)
     paused_nodes: dict[str, TreeNode] = field(default_factory=dict)
+    # its growth: what its first request computed (None: not started since its work last
+    # ended), and the tokens computed and decoded after it, on every branch (what its
+    # footprint in the pool grew by, recompute included)
+    first_tokens: int | None = None
+    grown_tokens: int = 0
+    # its first request waits on what no one knows ahead (program_growth.py: only such
+    # programs' growth is reserved and learned)
+    growth_unknown: bool = False
+
+    def computed(self, tokens: int, unknown: bool = False) -> None:
+        """A request of it starts and computes `tokens` of prompt (its growth); a first request
+        may wait on what no one knows ahead (`unknown`)."""
+        if self.first_tokens is None:
+            self.first_tokens, self.growth_unknown = tokens, unknown
+        else:
+            self.grown_tokens += tokens
+
+    def decoded(self, tokens: int) -> None:
+        """A request of it ended after decoding `tokens`."""
+        if self.first_tokens is not None:
+            self.grown_tokens += tokens
+
+    def growth_ended(self) -> int:
+        """Its work ended: how much it grew after its first request (counting starts anew)."""
+        grown, self.first_tokens, self.grown_tokens = self.grown_tokens, None, 0
+        return grown
+
+    def growth_due(self, growths: Sequence[int]) -> float:
+        """How much more it is expected to grow, having grown `grown_tokens`: the mean
+        residual growth of the programs whose work ended (`growths`): of those that grew more
+        than it has, how much more on average; as much again as it grew when none did (a
+        program already past every one seen is not about to end). With none ended yet: as much
+        as its first request computed, less what it grew. None unless its growth is unknown.
+
+        >>> record = ProgramRecord(0.0)
+        >>> record.computed(100, unknown=True); record.decoded(4); record.computed(30)
+        >>> record.growth_due([]), record.growth_due([10, 50, 94]), record.growth_due([20])
+        (66.0, 38.0, 34.0)
+        """
+        if self.first_tokens is None or not self.growth_unknown:
+            return 0.0
+        grown = self.grown_tokens
+        if growths:
+            more = [g - grown for g in growths if g > grown]
+            return sum(more) / len(more) if more else float(grown)
+        return max(0.0, float(self.first_tokens - grown))
 
     def charge(self, branch: str | None, tokens: int) -> None:
         """A request of `branch` starts and computes `tokens` of prompt."""

@@ -10,9 +10,14 @@ that is not in (its first, or one whose kept path was evicted meanwhile) enters 
 slots it needs fit beside every kept path and a headroom for the programs in to grow into:
 the programs in keep their working sets instead of every program thrashing every other's.
 Without the gate, agents at a 35% pool compute 3x the exact bound (RESULTS.md,
-agent_trace_bench.py). The headroom is learned: a kept path lost to eviction (the programs in
-outgrew the pool) adds its length, each entry takes HEADROOM_DECAY of it off. With a lower
-tier (host memory, disk) an evicted path is loaded back, not recomputed: its program stays in.
+agent_trace_bench.py). The headroom is the growth still due, and a learned part:
+- Growth: what the programs are expected to grow by after their first request, less what they
+  grew already (program_growth.py). An entrant leaves room for its own expected growth and for
+  what each program in that it does not outrank (below) has still to grow.
+- Learned: a kept path lost to eviction (the programs in outgrew the pool) adds its length,
+  each entry takes HEADROOM_DECAY of it off.
+With a lower tier (host memory, disk) an evicted path is loaded back, not recomputed: its
+program stays in.
 
 Which waiting program enters first: higher GraphHints.priority, then least attained service
 (tokens computed for the program so far along its longest path; Autellix's PLAS and ATLAS,
@@ -24,9 +29,14 @@ Programs in do not keep their KV against every newcomer (else a program that arr
 pool is full waits for long ones to end: first come, first served by program). A program's *rank*
 is its GraphHints.priority, then its service level (less attained service first; levels double
 from an eighth of the pool, Autellix's discretized PLAS queues, program_service.service_level).
-A waiting program that outranks every program in does not wait for their headroom (it is served
-before their growth). One that outranks paused programs in *displaces* them, the lowest first,
-as many as free the room it lacks beside the other kept paths: their paths are no longer kept
+A waiting program leaves no room for the growth of the programs in that it outranks (it is
+served before their growth), and one that outranks every program in leaves no headroom at all.
+One that outranks paused programs in *displaces* them, the lowest first, as many as free the
+room it lacks beside the other kept paths and the learned headroom; one that lacks room only
+for the growth still due displaces none (it waits). Reserving the growth due whatever the rank,
+and displacing for it, made each newcomer of a document batch (a service level above the
+programs in) displace a paused program, and the displaced recomputed their documents
+(RESULTS.md, "The growth still due reserved"). The displaced programs' paths are no longer kept
 (the part only they hold goes first when the pool needs room), and their next requests enter in
 order. Within a rank none displaces another, so programs of about the same service do not take
 the pool from each other in turns. Displacing is priced by ski rental: the newcomer displaces
@@ -69,8 +79,10 @@ from runtime.cache.graph_policy import CONTINUATION_GRACE_S
 from runtime.cache.nodes import owner_of, private_path
 from runtime.protocol import MAX_HINT_RETURN_S
 from runtime.scheduler.branches import MAX_BRANCHES, BranchTable, branch_key
+from runtime.scheduler.program_growth import ProgramGrowth
 from runtime.scheduler.program_service import (
     MAX_PROGRAM_BRANCHES,
+    TRUNK,
     ProgramRecord,
     service_level,
 )
@@ -130,6 +142,7 @@ class ProgramGate:
         # takes off HEADROOM_DECAY of it
         self.pool_slots = kv.allocator.num_slots
         self.headroom_tokens = 0.0
+        self.growth = ProgramGrowth(self.pool_slots)  # what programs grow by (learned)
         self.kept_lost_tokens = 0  # kept paths lost to eviction, their lengths (a counter)
         # what branches back from their tools computed again of the paths they paused at: the
         # prefill over the exact bound that keeping (or not keeping) paused paths decides
@@ -173,6 +186,7 @@ class ProgramGate:
             branch = req.hints.branch_id
             self.returns_recomputed_tokens += record.recomputed(branch, req.prompt_ids, cached)
             record.charge(branch, req.num_tokens - cached)  # the prompt it computes: service
+            record.computed(req.num_tokens - cached, self.growth.unknown(req))  # ... growth
             self._running[req.rid] = key
             self.paused.pop(branch_key(req))  # its branch is back
 
@@ -197,8 +211,17 @@ class ProgramGate:
     def released(self, req: Req) -> None:
         key = self._running.pop(req.rid, None)
         record = self.programs.get(key)
-        if record is not None:
-            record.num_running -= 1
+        if record is None:
+            return
+        record.num_running -= 1
+        record.decoded(len(req.gen.output_ids))
+        # its work ended, as far as the gate can tell: its trunk finished a request that
+        # nothing extends, and nothing of it runs (a program that goes on, forking after
+        # such a request, counts its growth anew)
+        trunk = (req.hints.branch_id or TRUNK) == TRUNK
+        ended = trunk and req.gen.finished and not req.hints.continuation
+        if ended and not record.num_running and record.first_tokens is not None:
+            self.growth.ended(record)
 
     def advance(self, now_s: float) -> None:
         """Once a step: a paused branch whose path was evicted, or overdue past its return
@@ -272,17 +295,20 @@ class ProgramGate:
         record = self.programs.get(program_key(req)) or ProgramRecord(0.0)
         return self.rank(record, req.hints.priority)
 
-    def headroom_for(self, req: Req) -> float:
-        """The room kept for the programs in to grow into, as `req`'s program sees it: none
-        when it outranks every program in (PLAS serves it before their growth: what they lose
-        to it is what their rank costs them), else the learned headroom."""
-        if not self.headroom_tokens:
-            return 0.0
+    def headroom_for(self, req: Req, takes_tokens: int) -> tuple[float, float]:
+        """The room `req`'s program must leave free to enter, taking `takes_tokens` itself,
+        for the programs in that it does not outrank to grow into, as (the growth still due
+        to it and to each of them, ProgramGrowth.due_with; the learned headroom): none when it
+        outranks every one (PLAS serves it before their growth: what they lose to it is what
+        their rank costs them)."""
         rank = self.request_rank(req)
-        for key, record in self.programs.items():
-            if self.rank(record) <= rank and self._key_is_in(key, record):
-                return self.headroom_tokens
-        return 0.0
+        key = program_key(req)
+        peers = [r for k, r in self.programs.items()
+                 if k != key and self.rank(r) <= rank and self._key_is_in(k, r)]  # fmt: skip
+        if not peers:
+            return 0.0, 0.0
+        record = self.programs.get(key)
+        return self.growth.due_with(req, record, takes_tokens, peers), self.headroom_tokens
 
     def displaced_by(self, req: Req, need_tokens: float) -> list[tuple[tuple, int]]:
         """The paused programs in (none of their requests running) of a lower rank than
@@ -357,6 +383,7 @@ class ProgramGate:
             "program_kept_lost_tokens_total": self.kept_lost_tokens,
             "program_returns_recomputed_tokens_total": self.returns_recomputed_tokens,
             "program_headroom_tokens": self.headroom_tokens,
+            "program_growth_tokens": self.growth.mean_tokens(),
             "programs_displaced_total": self.displaced,
         }
 
@@ -374,6 +401,7 @@ class ProgramGate:
             assert branch in self._paused_branches.get(branch[:2], ()), f"{branch} not indexed"
         for key, record in self.programs.items():  # (a record's branches are bounded)
             assert len(record.paused_nodes) <= MAX_PROGRAM_BRANCHES, f"program {key} unbounded"
+            assert record.first_tokens is not None or not record.grown_tokens, f"{key} grew"
 
 
 class NoPrograms:
@@ -406,4 +434,5 @@ class NoPrograms:
     def stats(self) -> dict[str, float]:
         return {"program_kept_lost_tokens_total": 0, "program_headroom_tokens": 0.0,
                 "programs_displaced_total": 0,
-                "program_returns_recomputed_tokens_total": 0}  # fmt: skip
+                "program_returns_recomputed_tokens_total": 0,
+                "program_growth_tokens": 0.0}  # fmt: skip
