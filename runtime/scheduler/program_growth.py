@@ -18,9 +18,9 @@ away (a chat's queued turns, a document's next questions; flowlang streams them 
 runs, so a first request may not yet know it continues) reserves nothing, as before the
 reserve, and its growth is not learned from: graph eviction keeps what its queued requests will
 read. Reserving it too made such programs compute more than with no reserve (W6 in rounds at a
-25% pool: 23,884 tokens against 22,843; a run_batch cell of 1,500-token documents up to 33,594
-against at most 29,674; RESULTS.md, "The growth still due reserved, by rank"). A tool declared
-with no latency_s sends no next_turn_after_s: its program reserves nothing.
+25% pool: 23,884 tokens against 22,843 in three runs each; RESULTS.md, "The growth still due
+reserved, by rank"). A tool declared with no latency_s sends no next_turn_after_s: its program
+reserves nothing.
 
 Without a reserve for it, every agent of a batch enters at once (their first prompts fit) and
 their later turns evict each other's paths: at 20 agents on a 35% pool all 20 were in within
