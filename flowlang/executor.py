@@ -241,6 +241,7 @@ class StreamExecutor:
             # this sequence (trailing text such as a role's end is no request: no continuation)
             continuation=continuation,
             next_turn_after_s=next_turn_after_s if continuation else None,
+            waits_on_tools=waits_on_tools,  # (its calls' latency known or not)
             future_tokens=self._future_tokens() if continuation else None,
         )
 

@@ -223,6 +223,14 @@ class GraphHints(_Frozen):
         "time); the graph eviction policy keeps sooner returns longer. Unset: right away. "
         "Later than MAX_HINT_RETURN_S counts as MAX_HINT_RETURN_S",
     )
+    waits_on_tools: bool = Field(
+        False,
+        description="with continuation: the next request extending this sequence waits for "
+        "the calls this request makes to its tools (how long: next_turn_after_s when known). "
+        "The program then grows by what no one knows ahead, and the program gate keeps room "
+        "for it; unset, the next request is the program's own work, due when "
+        "next_turn_after_s says",
+    )
     future_tokens: int | None = Field(
         None,
         ge=0,
@@ -241,6 +249,15 @@ class GraphHints(_Frozen):
         "it reserves for a running request, output-length ordering); never a limit: "
         "max_new_tokens still ends the request, and an estimate above it counts as it",
     )
+
+    @model_validator(mode="after")
+    def _waits_with_continuation(self) -> GraphHints:
+        if self.waits_on_tools and not self.continuation:
+            raise ValueError(
+                "waits_on_tools needs continuation: true (the program goes on once its tools "
+                "return)"
+            )
+        return self
 
 
 class GenerateRequest(_Frozen):

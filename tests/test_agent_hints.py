@@ -116,6 +116,7 @@ def test_flowlang_hints_pass_through_with_ids_under_the_callers_key(server):
         "fork_group_size": 3,
         "continuation": True,
         "next_turn_after_s": 2.5,
+        "waits_on_tools": True,
         "future_tokens": 300,
         "expected_output_tokens": 40,
     }
@@ -262,6 +263,7 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(server, extra, headers, name
     [
         ("/v1/chat/completions", {"hints": {"program": "p"}}, "program"),
         ("/generate", {"hints": {"program": "p"}}, "program"),
+        ("/generate", {"hints": {"waits_on_tools": True}}, "waits_on_tools needs continuation"),
         ("/generate", {"nvext": {"agent_hints": {"priority": 1}}}, "nvext"),  # Dynamo's OpenAI only
     ],
 )

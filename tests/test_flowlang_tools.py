@@ -287,6 +287,8 @@ def test_a_gen_with_tools_is_a_paused_branch_in_its_hints(engine):
     assert hints[1].continuation and hints[1].next_turn_after_s is None
     assert hints[2].continuation and hints[2].next_turn_after_s is None
     assert hints[3].continuation and hints[3].next_turn_after_s == 7.0
+    # each gen that may call tools says its next turn waits on them, latency known or not
+    assert [h.waits_on_tools for h in hints] == [True, False, True, True]
     assert all(r.constraint.kind == "structural_tag" for r, _ in backend.generations)
 
 

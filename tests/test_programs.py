@@ -337,32 +337,44 @@ def test_growth_is_reserved_only_for_programs_that_wait_on_what_no_one_knows_ahe
     """A (60 tokens) is in, its next request due right away (a chat's queued turn: it says
     what it has queued, GraphHints.future_tokens, and graph eviction keeps what that turn will
     read); B (200 tokens, likewise) then fits beside A's path, and enters: no growth is
-    reserved for either. When both wait on their tools (GraphHints.next_turn_after_s), what
-    comes back is known to no one: A is expected to grow by the 60 its first request computed,
-    and B by its prompt, and B does not fit (it enters only priced: with nothing running,
-    recomputing the tokens it lacks costs less than waiting for A). Only unknown growth is
-    learned from."""
-    for after_s in (None, 5.0):
+    reserved for either. When both wait on their tools, what comes back is known to no one:
+    A is expected to grow by the 60 its first request computed, and B by its prompt, and B
+    does not fit. That holds whether the tools' latency is declared (GraphHints.
+    next_turn_after_s: B enters priced, since with nothing running recomputing the tokens it
+    lacks costs less than waiting 5 s for A) or not (GraphHints.waits_on_tools alone: a tool
+    with no latency_s; no return of such tools seen yet, A is expected back at once, and B
+    waits for it). Only unknown growth is learned from."""
+    waits = ({}, {"next_turn_after_s": 5.0}, {"waits_on_tools": True})
+    for wait in waits:
         sched = scheduler(GROWTH_POOL, eviction_policy="graph")
         now = with_clock(sched)
         sched.idle.clock = sched.lookahead.clock
         priced(sched, 0.1)
-        a = program_req("a1", ids(1, 60), "A", after_s=after_s)
-        a.hints = a.hints.model_copy(update={"continuation": True, "future_tokens": 8})
+        first = {"continuation": True, "future_tokens": 8, **wait}
+        a = program_req("a1", ids(1, 60), "A", after_s=None)
+        a.hints = a.hints.model_copy(update=first)
         sched.add(a)
         run(sched)
         now[0] = 1.0
-        b = program_req("b1", ids(2, 200), "B", after_s=after_s)
-        b.hints = b.hints.model_copy(update={"continuation": True, "future_tokens": 8})
+        b = program_req("b1", ids(2, 200), "B", after_s=None)
+        b.hints = b.hints.model_copy(update=first)
         sched.add(b)
         step(sched)
         gate = sched.lookahead.programs
-        unknown = after_s is not None
+        unknown = bool(wait)
         assert gate.programs[(None, "A")].growth_unknown is unknown
-        assert sched.counters["programs_entered"] == 1 + (not unknown), after_s  # A, then B?
-        assert sched.counters["programs_entered_priced"] == unknown
+        assert sched.counters["programs_entered"] == 1 + (not unknown), wait  # A, then B?
+        assert sched.counters["programs_entered_priced"] == ("next_turn_after_s" in wait)
         gate.growth.ended(gate.programs[(None, "A")])
         assert list(gate.growth.seen) == ([4] if unknown else [])
+
+
+def test_waits_on_tools_needs_a_continuation():
+    """A request that says its next turn waits on its tools says the program goes on: without
+    `continuation` the hints are refused by name, not taken as half of it."""
+    with pytest.raises(ValueError, match="waits_on_tools needs continuation"):
+        GraphHints(program_id="A", waits_on_tools=True)
+    assert GraphHints(program_id="A", continuation=True, waits_on_tools=True).waits_on_tools
 
 
 def test_a_late_program_is_not_waited_for():
@@ -551,6 +563,41 @@ def test_the_wait_is_priced_by_the_gaps_seen_not_the_declared_return():
         sched.add(b)
         step(sched)
         assert (b.rid in sched.waiting) == learned
+
+
+def test_returns_of_tools_with_no_declared_latency_are_learned_apart():
+    """Program A's gen offers tools that declare no latency (GraphHints.waits_on_tools, no
+    next_turn_after_s); its calls take 5 s. Until one has come back A is expected back at
+    once, and program B, arriving 0.1 s into A's gap, waits for it; once two returns were
+    seen, A is expected 5 s after it pauses, and B enters priced (4.9 s of waiting cost more
+    than recomputing what it lacks at 1 ms a token). The same gap seen for requests that
+    continue right away is not learned from: C's queued turns, back at once, leave the tools'
+    5 s as it is."""
+    for learned in (False, True):
+        sched = scheduler(POOL, eviction_policy="graph")
+        now = with_clock(sched)
+        priced(sched, 0.001)
+        c = program_req("c0", ids(5, 20), "C", after_s=None)
+        c.hints = c.hints.model_copy(update={"continuation": True})
+        sched.add(c)
+        run(sched)
+        sched.add(program_req("c1", c.all_ids[:-1] + ids(6, 4), "C", after_s=None))
+        run(sched)
+        prompt = ids(1, 100)
+        for turn in range(3 if learned else 1):
+            a = program_req(f"a{turn}", prompt, "A", after_s=None)
+            a.hints = a.hints.model_copy(update={"continuation": True, "waits_on_tools": True})
+            sched.add(a)
+            run(sched)
+            prompt = a.all_ids[:-1] + ids(10 + turn, 6)
+            now[0] += 5.0  # the tools' real gap
+        now[0] -= 4.9  # B arrives 0.1 s into A's last gap
+        sched.add(b := program_req("b1", ids(2, 150), "B", after_s=None))
+        step(sched)
+        gate = sched.lookahead.programs
+        assert gate.gap_s.get((0.0, True)) == (5.0 if learned else None)
+        assert gate.gap_s[(0.0, False)] == 0.0  # C's turn, back at once
+        assert (b.rid in sched.waiting) is not learned
 
 
 def with_priority(req: Req, priority: int) -> Req:

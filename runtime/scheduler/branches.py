@@ -23,10 +23,10 @@ MAX_BRANCHES = 4096  # ... and in all (without API keys owners are names clients
 
 def future_tokens(req: Req, pool_slots: int) -> int:
     """What a request's program will still add to its sequence after it, if it is back right
-    away (0 otherwise: a declared return is not work ahead); a hint of more than the
-    pool holds counts as the pool."""
+    away (0 otherwise: a declared return, or one that waits on tools, is not work ahead); a
+    hint of more than the pool holds counts as the pool."""
     hints = req.hints
-    right_away = hints.continuation and not hints.next_turn_after_s
+    right_away = hints.continuation and not (hints.next_turn_after_s or hints.waits_on_tools)
     return min(hints.future_tokens or 0, pool_slots) if right_away else 0
 
 

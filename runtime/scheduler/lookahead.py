@@ -100,7 +100,9 @@ class Lookahead:
     # ------------------------------------------------------------------ branches
     def arrived(self, req: Req) -> None:
         """A request reached the queue: its branch's next turn is no longer to come."""
-        self.programs.arrived(req, self.now_s)
+        # (when it arrived, not when the last step ran: a return's gap is what its tools took,
+        # and an idle engine may have stepped last long before)
+        self.programs.arrived(req, self.clock())
         self.ttl_pins.arrived(req)
         if self.paused_branches or self.returning:
             key = branch_key(req)  # the owner's own branch: another tenant's is never touched

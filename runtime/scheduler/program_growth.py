@@ -11,16 +11,16 @@ kept paths. Before any program's work has ended, a program is expected to grow b
 its first request computed.
 
 Only the growth no one knows ahead is reserved: a program whose first request waits on
-something (GraphHints.next_turn_after_s: its tools' calls, as flowlang sends the slowest offered
-tool's latency_s; a user's turn, when the client tells the think time). What comes back is then
+something: its tools' calls (GraphHints.waits_on_tools, as flowlang sends it for a gen that offers
+tools; how long, the slowest offered tool's latency_s, when declared), or a user's turn, when the
+client tells the think time (GraphHints.next_turn_after_s). What comes back is then
 known to no one, and the program goes on with it. A program whose next requests follow right
 away (a chat's queued turns, a document's next questions; flowlang streams them as the program
 runs, so a first request may not yet know it continues) reserves nothing, as before the
 reserve, and its growth is not learned from: graph eviction keeps what its queued requests will
 read. Reserving it too made such programs compute more than with no reserve (W6 in rounds at a
 25% pool: 23,884 tokens against 22,843 in three runs each; RESULTS.md, "The growth still due
-reserved, by rank"). A tool declared with no latency_s sends no next_turn_after_s: its program
-reserves nothing.
+reserved, by rank").
 
 Without a reserve for it, every agent of a batch enters at once (their first prompts fit) and
 their later turns evict each other's paths: at 20 agents on a 35% pool all 20 were in within
@@ -61,9 +61,10 @@ class ProgramGrowth:
 
     def unknown(self, req: Req) -> bool:
         """Whether `req` waits on what no one knows ahead before its program goes on (its
-        tools' calls, a user's turn: GraphHints.next_turn_after_s)."""
+        tools' calls, GraphHints.waits_on_tools, whether their latency is declared or not; a
+        user's turn: GraphHints.next_turn_after_s)."""
         hints = req.hints
-        return hints.continuation and bool(hints.next_turn_after_s)
+        return hints.continuation and (hints.waits_on_tools or bool(hints.next_turn_after_s))
 
     def due_with(
         self, req: Req, record: ProgramRecord | None, takes_tokens: int,

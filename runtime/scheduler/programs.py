@@ -49,7 +49,9 @@ When nothing runs and every program in is paused on its tools, a waiting program
 if recomputing the kept KV it would evict (c per token) costs less than waiting for the soonest
 expected return. A return is expected when it was declared (GraphHints.next_turn_after_s:
 flowlang sends the slowest offered tool's latency_s) until returns after that declaration have
-been seen: then after the gap they took. And whether others run or not, a waiting program enters
+been seen: then after the gap they took. Tools that declare no latency (GraphHints.waits_on_tools
+alone) are expected back at once until their returns are seen, learned apart from requests that
+continue right away. And whether others run or not, a waiting program enters
 once the engine has sat idle since it arrived for as long as recomputing what it evicts would
 take (ski rental, `idled_past_recompute`): on the tiny model the engine idles about half the
 time while programs wait on tools and clients, and a program held out of an idle engine was the
@@ -113,9 +115,11 @@ class Paused(NamedTuple):
     """A branch paused on a continuation."""
 
     node: TreeNode  # where its path ends (the tree keeps a node's identity across splits)
-    back_s: float  # when it is expected back: paused_s + the gap learned for declared_s
+    back_s: float  # when it is expected back: paused_s + the gap learned for its gap_key
     paused_s: float
-    declared_s: float  # the return it declared (GraphHints.next_turn_after_s; 0: right away)
+    # what it said of its return: (GraphHints.next_turn_after_s, 0 if unsaid; whether it
+    # waits on its tools); returns are learned by it
+    gap_key: tuple[float, bool]
 
 
 class ProgramGate:
@@ -134,9 +138,10 @@ class ProgramGate:
         # program key -> its branch keys that paused (some may have left `paused` since: the
         # table drops an owner's oldest); so asking whether a program is in reads its own
         self._paused_branches: dict[tuple, set[tuple]] = {}
-        # declared return s -> the gap seen for it (decayed mean): a tool's calls return when
-        # they do, not when the slowest offered tool said it might
-        self.gap_s: dict[float, float] = {}
+        # what a return said (Paused.gap_key) -> the gap seen for it (decayed mean): a tool's
+        # calls return when they do, not when the slowest offered tool said it might; tools
+        # that declare no latency are learned apart from requests that continue right away
+        self.gap_s: dict[tuple[float, bool], float] = {}
         # room kept free for the programs in to grow into, learned: a kept path lost to
         # eviction (the programs in outgrew the pool) adds its length, each entry that fits
         # takes off HEADROOM_DECAY of it
@@ -170,9 +175,9 @@ class ProgramGate:
 
     def _learn_gap(self, paused: Paused, now_s: float) -> None:
         """A branch is back from its tools: what its declared return really took."""
-        seen = self.gap_s.get(paused.declared_s)
+        seen = self.gap_s.get(paused.gap_key)
         gap = now_s - paused.paused_s
-        self.gap_s[paused.declared_s] = gap if seen is None else seen + GAP_DECAY * (gap - seen)
+        self.gap_s[paused.gap_key] = gap if seen is None else seen + GAP_DECAY * (gap - seen)
         if len(self.gap_s) > MAX_BRANCHES:
             self.gap_s.pop(next(iter(self.gap_s)))
 
@@ -192,15 +197,17 @@ class ProgramGate:
 
     def paused_at(self, req: Req, position: TreePosition, now_s: float, declared_s: float) -> None:
         """A branch of a program paused with its path ending at `position` (locked now),
-        declaring it is back `declared_s` from now."""
+        declaring it is back `declared_s` from now (0: unsaid; expected back as soon as the
+        returns seen for what it said took)."""
         key = program_key(req)
         if key is not None:
             node = self.kv.cache.resolve(position)
             record = self.programs.get(key)
             if record is not None:
                 record.paused(req.hints.branch_id, node)
-            back_s = now_s + self.gap_s.get(declared_s, declared_s)
-            self.paused.put(branch_key(req), Paused(node, back_s, now_s, declared_s))
+            gap_key = (declared_s, req.hints.waits_on_tools)
+            back_s = now_s + self.gap_s.get(gap_key, declared_s)
+            self.paused.put(branch_key(req), Paused(node, back_s, now_s, gap_key))
             self._paused_branches.setdefault(key, set()).add(branch_key(req))
             if len(self._paused_branches) > MAX_BRANCHES:  # (the table dropped some): prune
                 self._paused_branches = {

@@ -1,11 +1,11 @@
 """A fixed time-to-live pin at tool calls (Continuum's rule; `tool_pin_ttl_s`): a baseline the
 program gate (programs.py) is measured against, and a setting for whoever wants it.
 
-A request of a program (GraphHints.program_id) that ends on a continuation with a declared
-return (a gen offered tools: its branch waits on their calls) keeps its path locked for
-`tool_pin_ttl_s` seconds after it finishes, so nothing evicts it while the tools run. The pin
-goes when the branch's next request arrives (it locks the path itself) or when the time is up,
-whichever is first. A pin holds memory whoever waits for it: under pressure, requests that do
+A request of a program (GraphHints.program_id) that ends on a continuation waiting on its tools
+(GraphHints.waits_on_tools, or a declared return: its branch waits on their calls) keeps its path
+locked for `tool_pin_ttl_s` seconds after it finishes, so nothing evicts it while the tools run.
+The pin goes when the branch's next request arrives (it locks the path itself) or when the time
+is up, whichever is first. A pin holds memory whoever waits for it: under pressure, requests that do
 not fit beside the pins wait or fail as busy.
 `NoTtlPins` is the rule turned off (the default).
 """
@@ -35,9 +35,10 @@ class TtlPins:
         self._seq = itertools.count()
 
     def paused(self, req: Req, position: TreePosition, now_s: float) -> None:
-        """`req` finished locked at `position`; pin it if its branch waits on a declared
-        return (a tool call)."""
-        if not (req.hints.continuation and req.hints.next_turn_after_s):
+        """`req` finished locked at `position`; pin it if its branch waits on its tools or a
+        declared return."""
+        hints = req.hints
+        if not (hints.continuation and (hints.waits_on_tools or hints.next_turn_after_s)):
             return
         key = branch_key(req)
         self.unpin(key)
