@@ -377,6 +377,30 @@ def test_waits_on_tools_needs_a_continuation():
     assert GraphHints(program_id="A", continuation=True, waits_on_tools=True).waits_on_tools
 
 
+def test_a_program_held_by_a_later_check_has_not_entered(monkeypatch):
+    """Program A passes the gate but a later check (graph eviction keeping room for work
+    ahead) holds it for five passes: it has not entered, so nothing is counted and the learned
+    headroom does not decay; once it starts it has entered, once. Counted at the gate, each
+    held pass decayed the headroom, and two held programs took it to nothing (RESULTS.md)."""
+    from runtime.scheduler.admission import ADMIT, SKIP, AdmissionPass
+
+    held = [True]
+    monkeypatch.setattr(AdmissionPass, "not_deferred", lambda self, req: SKIP if held[0] else ADMIT)
+    sched = scheduler(POOL, eviction_policy="graph")
+    gate = sched.lookahead.programs
+    gate.headroom_tokens = 100.0
+    a = program_req("a1", ids(1, 50), "A", after_s=5.0)
+    sched.add(a)
+    for _ in range(5):
+        step(sched)
+    assert a.rid in sched.waiting and gate.headroom_tokens == 100.0
+    assert sched.counters["programs_entered"] + sched.counters["programs_entered_priced"] == 0
+    held[0] = False
+    step(sched)
+    assert a.rid not in sched.waiting and gate.headroom_tokens == pytest.approx(90.0)
+    assert sched.counters["programs_entered"] == 1
+
+
 def test_a_late_program_is_not_waited_for():
     sched, a, b = paused_a_then_new_b(per_token_s=0.1)
     sched.lookahead.clock = lambda: 5.0 + 2.0  # A is 2 s past its declared return

@@ -14,7 +14,8 @@ The checks, in order:
 - prefilled once: no running request computes the tokens it shares beyond its cache match;
 - lower tiers ready: its chunk files are read (prefetch thread);
 - program in: a request of a program not running nor paused with its KV kept enters in
-  program order, if it fits beside the kept KV (programs.py);
+  program order, if it fits beside the kept KV (programs.py); its program has entered once it
+  starts (a later check may hold it, and the programs after it wait);
 - fits: free + evictable slots cover what it computes and reserves to grow, and the
   unlocked part of its cached prefix (its lock holds that once it starts), or another
   owner's request may pass it (at most admission_patience times);
@@ -68,6 +69,9 @@ class AdmissionPass:
         self.entrants: list[Req] | None = None  # requests of programs not in, in entry order
         self.kept = 0  # tokens the paused programs in keep (unlocked), taken with entrants
         self.entry_closed = False  # a program that does not fit holds every one after it
+        # the request whose program passed `program_in` this pass, and its counter: it has
+        # entered once it starts (a later check may still hold it)
+        self.entering: tuple[Req, str] | None = None
 
     def run(self) -> list[BatchEntry]:
         """The entries of the requests that start this step."""
@@ -80,6 +84,7 @@ class AdmissionPass:
                 continue
             if not self.start(req):
                 break
+            self.entry_started(req)
         return self.entries
 
     def check(self, req: Req) -> Verdict:
@@ -93,6 +98,7 @@ class AdmissionPass:
         for check in (*checks, self.not_deferred):
             verdict = check(req)
             if verdict is not ADMIT:
+                self.entry_held(req)
                 return verdict
         return ADMIT
 
@@ -160,12 +166,29 @@ class AdmissionPass:
             or (lacks > 0 and self.displaces_for(req, lacks - learned))
         ):
             self.entrants.pop(0)
-            programs.entered()
-            s.counters["programs_entered" if short <= 0 else "programs_entered_priced"] += 1
+            self.entering = (req, "programs_entered" if short <= 0 else "programs_entered_priced")
             return ADMIT
         self.entry_closed = True
         s.counters["program_entries_deferred"] += 1
         return SKIP
+
+    def entry_started(self, req: Req) -> None:
+        """`req` started: if its program was let in this pass, it has entered (counted, and
+        the learned headroom decays by one entry)."""
+        if self.entering is not None and self.entering[0] is req:
+            self.programs.entered()
+            self.s.counters[self.entering[1]] += 1
+            self.entering = None
+
+    def entry_held(self, req: Req) -> None:
+        """A check after `program_in` held `req` (it does not fit the pool now, or graph
+        eviction keeps the room for work ahead): its program has not entered, and the programs
+        after it in entry order wait behind it. Counted as an entry, every pass it was held
+        decayed the learned headroom: 100-150 "entries" of two programs held by graph eviction
+        took it to nothing, and the 8-agent cell computed 1.43-1.47x the bound (RESULTS.md)."""
+        if self.entering is not None and self.entering[0] is req:
+            self.entering = None
+            self.entry_closed = True
 
     def entry_priced(self, req: Req, short: int) -> bool:
         """A program that does not fit beside the kept KV enters anyway when recomputing the
