@@ -21,13 +21,20 @@ MAX_BRANCHES_PER_OWNER = 256
 MAX_BRANCHES = 4096  # ... and in all (without API keys owners are names clients choose)
 
 
+def waits_on_return(req: Req) -> bool:
+    """Whether `req`'s program goes on only once something outside it returns: its tools'
+    calls (GraphHints.waits_on_tools, latency declared or not), or a declared return
+    (GraphHints.next_turn_after_s: a tool's latency, a user's think time)."""
+    hints = req.hints
+    return hints.continuation and (hints.waits_on_tools or bool(hints.next_turn_after_s))
+
+
 def future_tokens(req: Req, pool_slots: int) -> int:
     """What a request's program will still add to its sequence after it, if it is back right
     away (0 otherwise: a declared return, or one that waits on tools, is not work ahead); a
     hint of more than the pool holds counts as the pool."""
-    hints = req.hints
-    right_away = hints.continuation and not (hints.next_turn_after_s or hints.waits_on_tools)
-    return min(hints.future_tokens or 0, pool_slots) if right_away else 0
+    right_away = req.hints.continuation and not waits_on_return(req)
+    return min(req.hints.future_tokens or 0, pool_slots) if right_away else 0
 
 
 def branch_key(req: Req) -> tuple:

@@ -33,6 +33,8 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from runtime.scheduler.branches import waits_on_return
+
 if TYPE_CHECKING:
     from runtime.scheduler.program_service import ProgramRecord
     from runtime.scheduler.request import Req
@@ -63,8 +65,7 @@ class ProgramGrowth:
         """Whether `req` waits on what no one knows ahead before its program goes on (its
         tools' calls, GraphHints.waits_on_tools, whether their latency is declared or not; a
         user's turn: GraphHints.next_turn_after_s)."""
-        hints = req.hints
-        return hints.continuation and (hints.waits_on_tools or bool(hints.next_turn_after_s))
+        return waits_on_return(req)
 
     def due_with(
         self, req: Req, record: ProgramRecord | None, takes_tokens: int,

@@ -16,7 +16,7 @@ import heapq
 import itertools
 from typing import TYPE_CHECKING
 
-from runtime.scheduler.branches import branch_key
+from runtime.scheduler.branches import branch_key, waits_on_return
 from runtime.scheduler.request import Req
 
 if TYPE_CHECKING:
@@ -37,8 +37,7 @@ class TtlPins:
     def paused(self, req: Req, position: TreePosition, now_s: float) -> None:
         """`req` finished locked at `position`; pin it if its branch waits on its tools or a
         declared return."""
-        hints = req.hints
-        if not (hints.continuation and (hints.waits_on_tools or hints.next_turn_after_s)):
+        if not waits_on_return(req):
             return
         key = branch_key(req)
         self.unpin(key)
