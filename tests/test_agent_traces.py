@@ -20,6 +20,7 @@ from programs.agent_trace import TOOL_NAMES, WORDS, words_text
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "benchmarks"))
 import agent_trace_bench as bench  # noqa: E402
 import agent_traces as traces  # noqa: E402
+import repeat_rows  # noqa: E402
 
 SEEDS = range(12)
 
@@ -132,6 +133,60 @@ def test_short_programs_are_counted_by_their_subagents_rounds_too():
     assert sizes[id(forking)] > median
     assert bench.short_p99(batch, completions) == max(v for v in sizes.values() if v <= median)
     assert bench.shortest_first({"trace": forking}) == -sizes[id(forking)]
+
+
+def test_repeats_run_every_row_once_a_repeat_in_rotated_order():
+    assert repeat_rows.interleaved(["a", "b", "c"], 3) == [
+        (0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"), (2, "c"), (2, "a"), (2, "b"),
+    ]  # fmt: skip
+    assert repeat_rows.interleaved(["a"], 2) == [(0, "a"), (1, "a")]
+
+
+def test_repeated_rows_are_shown_as_medians_and_ratios_to_lrus_run_of_the_same_repeat(
+    monkeypatch, capsys
+):
+    """run_cell with repeats: the unbounded row once, then the rows interleaved; the table
+    shows each row's median figures, outputs 'equal' only if every run's are, and each row's
+    ratios to lru's run of the same repeat (median [range])."""
+    batch = traces.draw_batch(SMALL, seed=5, num_agents=4, pool_share=0.3, page_size=1)
+    agents = len(batch.agents)
+    # (row, repeat) -> (prefill, makespan); every program completes at the makespan
+    runs = {
+        ("lru", 0): (300, 10.0),
+        ("lru", 1): (300, 20.0),
+        ("lru", 2): (330, 40.0),
+        ("gate", 0): (120, 5.0),
+        ("gate", 1): (150, 30.0),
+        ("gate", 2): (180, 20.0),
+    }
+    calls = []
+
+    def fake_row(batch, model, tokenizer, capacity, policy, *args, record_trace=False, **kw):
+        if record_trace:
+            return bench.RowResult(100, 0, [1.0] * agents, [("x",)] * agents, [], 1.0, 400,
+                                   100, 1, 0)  # fmt: skip
+        name = "lru" if policy == "lru" else "gate"
+        repeat = sum(1 for c in calls if c == name)
+        calls.append(name)
+        prefill, makespan = runs[name, repeat]
+        outputs = [("x",)] * agents if (name, repeat) != ("gate", 1) else [("y",)] * agents
+        return bench.RowResult(prefill, 0, [makespan] * agents, outputs, [], makespan, 0, 0, 1, 0)
+
+    monkeypatch.setattr(bench, "run_row", fake_row)
+    monkeypatch.setattr(bench, "kv_bytes_per_token", lambda model: 1)
+    rows = bench.run_cell(batch, "m", None, "torch", ["lru", bench.PROGRAMS_ROW], repeats=3)
+    assert calls == ["lru", "gate", "gate", "lru", "lru", "gate"]
+    assert [len(rows[name]) for name in rows] == [1, 3, 3]
+    bench.print_cell(batch, rows)
+    out = capsys.readouterr().out
+    lru_line = next(line for line in out.splitlines() if line.startswith("lru "))
+    gate_line = next(line for line in out.splitlines() if line.startswith(bench.PROGRAMS_ROW))
+    assert lru_line.split()[1:3] == ["300", "3.00x"] and "20.0s" in lru_line
+    assert gate_line.removeprefix(bench.PROGRAMS_ROW).split()[:2] == ["150", "1.50x"]
+    assert "20.0s" in gate_line
+    assert lru_line.split()[-1] == "equal" and gate_line.split()[-1] == "DIFFER"
+    # makespans over lru's of the same repeat: 0.5, 1.5, 0.5
+    assert "makespan 0.50x [0.50-1.50]" in out
 
 
 # ---------------------------------------------------------------------- on the tiny model

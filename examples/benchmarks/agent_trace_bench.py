@@ -15,10 +15,14 @@ output equals the unbounded run's. The header also gives the analytic bound (the
 every prompt minus the KV computed while decoding), which the unbounded run meets at page
 size 1.
 
-One run per row on a shared machine: the counters are exact, the times indicative.
+One run per row on a shared machine: the counters are exact, the times indicative. With
+`--repeats N` each row runs N times, interleaved, and the table shows medians and each row's
+ratios to lru's run of the same repeat (repeat_rows.py).
 
     python examples/benchmarks/agent_trace_bench.py --tiny --cells 1
     python examples/benchmarks/agent_trace_bench.py --cells 1 --pool-fraction 0.35 --page-size 1
+    python examples/benchmarks/agent_trace_bench.py --tiny --cells 4 --repeats 5 --rows lru \
+        "programs (graph + gate)"
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from agent_traces import PRESETS, AgentBatch, agent_rounds, draw_batch, vary
 from eviction_cells import TINY_MODEL, load_bench_tokenizer
+from repeat_rows import interleaved, medians, print_ratios
 
 from flowlang.backends.local import LocalBackend
 from flowlang.program import no_priority
@@ -275,16 +280,19 @@ def run_cell(
     attention: str,
     rows_wanted: list[str],
     show_stats: bool = False,
-) -> dict[str, RowResult]:
-    """The unbounded run first (it sizes the others' pools), then each of `rows_wanted`."""
+    repeats: int = 1,
+) -> dict[str, list[RowResult]]:
+    """The unbounded run first (it sizes the others' pools; run once: its counters are the
+    bound), then each of `rows_wanted` `repeats` times, interleaved (repeat_rows.py)."""
     capacity = math.ceil(batch.working_set_tokens() * UNBOUNDED_HEADROOM)
     check_memory(capacity * kv_bytes_per_token(model))  # before its minutes of running
     unbounded = run_row(batch, model, tokenizer, capacity, "lru", record_trace=True,
                         attention_backend=attention)  # fmt: skip
-    return {
-        "unbounded pool": unbounded,
-        **run_cell_rows(batch, model, tokenizer, unbounded, rows_wanted, attention, show_stats),
-    }
+    rows: dict[str, list[RowResult]] = {"unbounded pool": [unbounded]}
+    for _, name in interleaved(rows_wanted, repeats):
+        ran = run_cell_rows(batch, model, tokenizer, unbounded, [name], attention, show_stats)
+        rows.setdefault(name, []).append(ran[name])
+    return rows
 
 
 def run_cell_rows(
@@ -336,15 +344,40 @@ def check_memory(bytes_needed: float) -> None:
 
 
 def row_figures(row: RowResult, bound: int) -> str:
-    """prefill, its ratio to the bound, mean / p90 / p99 completion and makespan: table cells."""
+    """prefill, its ratio to the bound, mean / p90 / p99 completion and makespan: table cells
+    (agent_replicas_bench.py's table)."""
     done = completed(row.completions_s)
     return (f"{row.computed:>9,} {row.computed / bound:>7.2f}x {statistics.mean(done):>7.1f} "
             f"{percentile(done, 0.9):>7.1f} {percentile(done, 0.99):>7.1f} "
             f"{row.makespan_s:>8.1f}s")  # fmt: skip
 
 
-def print_cell(batch: AgentBatch, rows: dict[str, RowResult]) -> None:
-    unbounded = rows["unbounded pool"]
+# with --repeats, each row's figures over lru's of the same repeat: label -> figure
+RATIOS_SHOWN = {"prefill": "ratio", "mean": "mean", "p99": "p99", "makespan": "makespan",
+                "short p99": "short p99"}  # fmt: skip
+
+
+def figures(batch: AgentBatch, row: RowResult, bound: int) -> dict[str, float]:
+    """One run's table figures: prefill and its ratio to the bound, mean / p90 / p99
+    completion, makespan, programs per second, the short programs' p99, retries."""
+    done = completed(row.completions_s)
+    return {
+        "prefill": row.computed,
+        "ratio": row.computed / bound,
+        "mean": statistics.mean(done),
+        "p90": percentile(done, 0.9),
+        "p99": percentile(done, 0.99),
+        "makespan": row.makespan_s,
+        "prog/s": len(completed(row.completions_s)) / row.makespan_s,
+        "short p99": short_p99(batch, row.completions_s),
+        "retries": row.retries,
+    }
+
+
+def print_cell(batch: AgentBatch, rows: dict[str, list[RowResult]]) -> None:
+    """The cell's table: each row's figures (medians over its runs, outputs equal only if
+    every run's are); with repeats, each row's ratios to lru's run of the same repeat."""
+    unbounded = rows["unbounded pool"][0]
     bound, reference = unbounded.computed, unbounded.outputs
     print(f"\n{batch.describe()}")
     print(f"working set {unbounded.working_set:,} tokens (estimated "
@@ -355,15 +388,20 @@ def print_cell(batch: AgentBatch, rows: dict[str, RowResult]) -> None:
     print(f"{'row':<26} {'prefill':>9} {'÷ bound':>8} {'mean s':>7} {'p90 s':>7} {'p99 s':>7} "
           f"{'makespan':>9} {'prog/s':>7} {'short p99':>9} {'retries':>7} "
           f"{'outputs':>8}")  # fmt: skip
-    for name, row in rows.items():
-        same = "equal" if row.outputs == reference else "DIFFER"
-        print(f"{name:<26} {row_figures(row, bound)} "
-              f"{len(completed(row.completions_s)) / row.makespan_s:>7.3f} "
-              f"{short_p99(batch, row.completions_s):>9.1f} {row.retries:>7} "
-              f"{same:>8}" + (f"  {len(row.failures)} failed" if row.failures else ""))  # fmt: skip
-    for name, row in rows.items():
-        for failure in row.failures[:2]:
+    runs = {name: [figures(batch, row, bound) for row in results] for name, results in rows.items()}
+    for name, results in rows.items():
+        f = medians(runs[name])
+        same = "equal" if all(row.outputs == reference for row in results) else "DIFFER"
+        failed = sum(len(row.failures) for row in results)
+        print(f"{name:<26} {f['prefill']:>9,.0f} {f['ratio']:>7.2f}x {f['mean']:>7.1f} "
+              f"{f['p90']:>7.1f} {f['p99']:>7.1f} {f['makespan']:>8.1f}s {f['prog/s']:>7.3f} "
+              f"{f['short p99']:>9.1f} {f['retries']:>7.0f} {same:>8}"
+              + (f"  {failed} failed" if failed else ""))  # fmt: skip
+    for name, results in rows.items():
+        for failure in [f for row in results for f in row.failures][:2]:
             print(f"  {name}: {failure[:160]}")
+    if len(runs.get("lru", ())) > 1:
+        print_ratios({k: v for k, v in runs.items() if k != "unbounded pool"}, "lru", RATIOS_SHOWN)
 
 
 def shape_with(shape, specs: list[str]):
@@ -398,16 +436,24 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS),
                         help="the rows after the unbounded pool")  # fmt: skip
     parser.add_argument("--stats", action="store_true", help="the scheduler's counters per row")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per row, interleaved; the table shows medians")  # fmt: skip
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     model = TINY_MODEL if args.tiny else args.model
     shape = shape_with(PRESETS[args.preset or ("tiny" if args.tiny else "default")], args.shape)
     if args.time_scale is not None:
         shape = vary(shape, time_scale=args.time_scale)
     tokenizer = load_bench_tokenizer() if model.startswith("random:") else None
-    print(f"model {model}, attention {args.attention}; one run per row")
+    runs = "one run per row" if args.repeats == 1 else f"{args.repeats} runs per row, medians"
+    print(f"model {model}, attention {args.attention}; {runs}")
     for cell in range(args.cells):
         batch = draw_batch(shape, args.seed + cell, args.agents, args.pool_fraction, args.page_size)
-        print_cell(batch, run_cell(batch, model, tokenizer, args.attention, args.rows, args.stats))
+        rows = run_cell(
+            batch, model, tokenizer, args.attention, args.rows, args.stats, args.repeats
+        )
+        print_cell(batch, rows)
 
 
 if __name__ == "__main__":
