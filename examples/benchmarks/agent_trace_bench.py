@@ -343,13 +343,18 @@ def check_memory(bytes_needed: float) -> None:
         )
 
 
+def completion_figures(row: RowResult) -> tuple[float, float, float]:
+    """Mean, p90 and p99 program completion seconds of the programs that finished."""
+    done = completed(row.completions_s)
+    return statistics.mean(done), percentile(done, 0.9), percentile(done, 0.99)
+
+
 def row_figures(row: RowResult, bound: int) -> str:
     """prefill, its ratio to the bound, mean / p90 / p99 completion and makespan: table cells
     (agent_replicas_bench.py's table)."""
-    done = completed(row.completions_s)
-    return (f"{row.computed:>9,} {row.computed / bound:>7.2f}x {statistics.mean(done):>7.1f} "
-            f"{percentile(done, 0.9):>7.1f} {percentile(done, 0.99):>7.1f} "
-            f"{row.makespan_s:>8.1f}s")  # fmt: skip
+    mean, p90, p99 = completion_figures(row)
+    return (f"{row.computed:>9,} {row.computed / bound:>7.2f}x {mean:>7.1f} {p90:>7.1f} "
+            f"{p99:>7.1f} {row.makespan_s:>8.1f}s")  # fmt: skip
 
 
 # with --repeats, each row's figures over lru's of the same repeat: label -> figure
@@ -360,13 +365,13 @@ RATIOS_SHOWN = {"prefill": "ratio", "mean": "mean", "p99": "p99", "makespan": "m
 def figures(batch: AgentBatch, row: RowResult, bound: int) -> dict[str, float]:
     """One run's table figures: prefill and its ratio to the bound, mean / p90 / p99
     completion, makespan, programs per second, the short programs' p99, retries."""
-    done = completed(row.completions_s)
+    mean, p90, p99 = completion_figures(row)
     return {
         "prefill": row.computed,
         "ratio": row.computed / bound,
-        "mean": statistics.mean(done),
-        "p90": percentile(done, 0.9),
-        "p99": percentile(done, 0.99),
+        "mean": mean,
+        "p90": p90,
+        "p99": p99,
         "makespan": row.makespan_s,
         "prog/s": len(completed(row.completions_s)) / row.makespan_s,
         "short p99": short_p99(batch, row.completions_s),

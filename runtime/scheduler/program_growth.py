@@ -61,12 +61,6 @@ class ProgramGrowth:
         """How much the programs whose work ended grew, on average (0 before any has)."""
         return sum(self.seen) / len(self.seen) if self.seen else 0.0
 
-    def unknown(self, req: Req) -> bool:
-        """Whether `req` waits on what no one knows ahead before its program goes on (its
-        tools' calls, GraphHints.waits_on_tools, whether their latency is declared or not; a
-        user's turn: GraphHints.next_turn_after_s)."""
-        return waits_on_return(req)
-
     def due_with(
         self, req: Req, record: ProgramRecord | None, takes_tokens: int,
         peers: Iterable[ProgramRecord],
@@ -79,7 +73,7 @@ class ProgramGrowth:
         grows past the pool anyway)."""
         if record is not None and record.first_tokens is not None:
             own = record.growth_due(self.seen)
-        elif not self.unknown(req):
+        elif not waits_on_return(req):  # (what it grows by is known ahead: nothing reserved)
             own = 0.0
         else:
             own = self.mean_tokens() if self.seen else req.num_tokens

@@ -80,7 +80,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from runtime.cache.graph_policy import CONTINUATION_GRACE_S
 from runtime.cache.nodes import owner_of, private_path
 from runtime.protocol import MAX_HINT_RETURN_S
-from runtime.scheduler.branches import MAX_BRANCHES, BranchTable, branch_key
+from runtime.scheduler.branches import MAX_BRANCHES, BranchTable, branch_key, waits_on_return
 from runtime.scheduler.program_growth import ProgramGrowth
 from runtime.scheduler.program_service import (
     MAX_PROGRAM_BRANCHES,
@@ -191,7 +191,7 @@ class ProgramGate:
             branch = req.hints.branch_id
             self.returns_recomputed_tokens += record.recomputed(branch, req.prompt_ids, cached)
             record.charge(branch, req.num_tokens - cached)  # the prompt it computes: service
-            record.computed(req.num_tokens - cached, self.growth.unknown(req))  # ... growth
+            record.computed(req.num_tokens - cached, waits_on_return(req))  # ... growth
             self._running[req.rid] = key
             self.paused.pop(branch_key(req))  # its branch is back
 
