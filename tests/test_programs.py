@@ -460,10 +460,11 @@ def test_requests_without_a_program_never_wait_at_the_gate():
 
 
 class ProgramMachine(RuleBasedStateMachine):
-    """Programs of a few turns each, pausing for declared times, under a small graph-evicted
-    pool; random arrivals, steps, clock jumps and aborts. Invariants after every rule: the
-    scheduler's and the gate's (check_integrity), and no program waits at the gate while
-    nothing runs and nothing is paused (the gate never holds an idle engine forever)."""
+    """Programs of a few turns each, on their trunks or forked branches, pausing for declared
+    times, under a small graph-evicted pool; random arrivals, requests naming no program, steps,
+    clock jumps and aborts. Invariants after every rule: the scheduler's and the gate's
+    (check_integrity), and no program waits at the gate while nothing runs and nothing is
+    paused (the gate never holds an idle engine forever)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -471,28 +472,42 @@ class ProgramMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.sched.lookahead.clock = lambda: self.now
         priced(self.sched, 0.05)
-        self.history: dict[str, list[int]] = {}
+        self.history: dict[tuple, list[int]] = {}  # (program, branch) -> its last prompt
         self.count = 0
 
     @rule(program=st.sampled_from("ABCDE"), new=st.integers(10, 70),
           after_s=st.sampled_from([None, 0.0, 0.5, 3.0]),
-          priority=st.sampled_from([0, 0, 1]))  # fmt: skip
-    def arrive(self, program, new, after_s, priority):
+          priority=st.sampled_from([0, 0, 1]),
+          branch=st.sampled_from([None, None, "0.0", "0.1"]))  # fmt: skip
+    def arrive(self, program, new, after_s, priority, branch):
+        """A turn of `program` on `branch` (forked branches extend the trunk's history: a
+        program of several branches is in while any of them runs or keeps its path)."""
         busy = [r for r in (*self.sched.waiting.values(), *self.sched.running)
-                if r.hints.program_id == program]  # fmt: skip
+                if (r.hints.program_id, r.hints.branch_id) == (program, branch)]  # fmt: skip
         if busy:
-            return  # a program's turns come one after another
+            return  # a branch's turns come one after another
         self.count += 1
-        prompt = self.history.get(program, []) + ids(self.count, new)
-        req = program_req(f"{program}{self.count}", prompt[-150:], program, after_s)
+        before = self.history.get((program, branch)) or self.history.get((program, None), [])
+        prompt = before + ids(self.count, new)
+        req = program_req(f"{program}{self.count}", prompt[-150:], program, after_s, branch=branch)
         with_priority(req, priority)  # (ranks before service: displacing, headroom)
-        self.history[program] = req.prompt_ids
+        self.history[program, branch] = req.prompt_ids
         self.sched.add(req)
 
     @rule(num=st.integers(1, 6))
     def steps(self, num):
         for _ in range(num):
             step(self.sched)
+
+    @rule(new=st.integers(60, 150))
+    def plain(self, new):
+        """A request naming no program: it never waits at the gate, and evicts kept paths
+        when the pool needs their room (their branches come back to lost paths)."""
+        self.count += 1
+        req = program_req(f"plain{self.count}", ids(self.count, new), "-", after_s=None)
+        req.hints = GraphHints()
+        self.sched.add(req)
+        step(self.sched)
 
     @rule(seconds=st.sampled_from([0.2, 1.0, 4.0, 40.0]))
     def clock(self, seconds):
